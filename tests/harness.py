@@ -1,0 +1,162 @@
+"""Run a function on N gloo ranks on CPU, the way every multi-rank test in this project does.
+
+`run_on_ranks(fn, world_size, *args, **kwargs)` starts `world_size` processes, joins them into one
+gloo process group through a `file://` rendezvous in a fresh temp dir (no ports), calls
+`fn(*args, **kwargs)` on each rank and returns the per-rank results (index = rank). If any rank
+raises, every rank's traceback is put into one AssertionError. If the ranks do not finish within
+`timeout` seconds, they are killed and the stacks of the stuck ranks (dumped by faulthandler just
+before the deadline) are reported.
+
+`fn` must be a module-level function (it is pickled for the child processes). Process start costs a
+few seconds on a 2-core machine, so put many checks into one launch.
+"""
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_TEST_TIMEOUT", "600"))
+
+
+def _child(fn, rank, world_size, init_file, result_queue, stack_file, timeout, args, kwargs, env):
+    os.environ.update(env)
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
+    )
+    with open(stack_file, "w") as stack_out:
+        faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0), exit=False, file=stack_out)
+        try:
+            import torch
+            import torch.distributed as dist
+
+            torch.set_num_threads(1)
+            dist.init_process_group(
+                backend="gloo",
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout),
+            )
+            result = fn(*args, **kwargs)
+            try:
+                pickle.dumps(result)
+            except Exception:
+                result = repr(result)
+            result_queue.put(("ok", rank, result))
+        except BaseException:
+            result_queue.put(("error", rank, traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            _teardown()
+
+
+def _teardown():
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except Exception:
+        pass
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=None, **kwargs):
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of per-rank results."""
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    start_method = start_method or os.environ.get("MEGATRON_TEST_START_METHOD", "fork")
+    ctx = mp.get_context(start_method)
+    env = dict(env or {})
+    with tempfile.TemporaryDirectory(prefix="megatron_ranks_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        result_queue = ctx.Queue()
+        procs, stack_files = [], []
+        for rank in range(world_size):
+            stack_file = os.path.join(tmp, f"stack_{rank}.txt")
+            stack_files.append(stack_file)
+            proc = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, init_file, result_queue, stack_file, timeout, args, kwargs, env),
+                daemon=False,
+            )
+            proc.start()
+            procs.append(proc)
+        results, errors = _collect(procs, result_queue, world_size, timeout)
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        if errors:
+            details = "\n".join(f"----- rank {r} -----\n{tb}" for r, tb in sorted(errors.items()))
+            raise AssertionError(f"{len(errors)} of {world_size} ranks failed in {fn.__name__}:\n{details}")
+        missing = [r for r in range(world_size) if r not in results]
+        if missing:
+            stacks = "\n".join(f"----- rank {r} stack -----\n{_read(stack_files[r])}" for r in missing)
+            raise AssertionError(
+                f"ranks {missing} of {fn.__name__} did not finish within {timeout:.0f}s (or died):\n{stacks}"
+            )
+        return [results[r] for r in range(world_size)]
+
+
+def _collect(procs, result_queue, world_size, timeout):
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world_size and time.monotonic() < deadline:
+        try:
+            status, rank, payload = result_queue.get(timeout=0.2)
+        except queue_mod.Empty:
+            if errors:
+                # One rank failed; give the others a moment to report, then stop waiting on them.
+                time.sleep(2.0)
+                _drain(result_queue, results, errors)
+                break
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results and i not in errors]
+            if dead and result_queue.empty():
+                time.sleep(0.5)
+                _drain(result_queue, results, errors)
+                for i in dead:
+                    if i not in results and i not in errors:
+                        errors[i] = f"process exited with code {procs[i].exitcode} without reporting"
+            continue
+        (results if status == "ok" else errors)[rank] = payload
+    for proc in procs:
+        if proc.is_alive() and (errors or time.monotonic() >= deadline):
+            proc.terminate()
+    return results, errors
+
+
+def _drain(result_queue, results, errors):
+    while True:
+        try:
+            status, rank, payload = result_queue.get_nowait()
+        except queue_mod.Empty:
+            return
+        (results if status == "ok" else errors)[rank] = payload
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read() or "(no stack dumped)"
+    except OSError:
+        return "(no stack file)"
+
+
+def repo_root():
+    """Absolute path of the repository root (the folder holding pretrain_gpt.py)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_executable():
+    return sys.executable
