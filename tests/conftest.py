@@ -33,3 +33,11 @@ def _reset_global_state():
         global_vars.destroy_global_vars()
     except Exception:
         pass
+    try:
+        import torch.distributed as dist
+
+        # A process group left in this (parent) process would be inherited by forked ranks.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass

@@ -75,6 +75,7 @@ def _teardown():
 def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=None, **kwargs):
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of per-rank results."""
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    _refuse_inherited_process_group()
     start_method = start_method or os.environ.get("MEGATRON_TEST_START_METHOD", "fork")
     ctx = mp.get_context(start_method)
     env = dict(env or {})
@@ -107,6 +108,16 @@ def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=Non
                 f"ranks {missing} of {fn.__name__} did not finish within {timeout:.0f}s (or died):\n{stacks}"
             )
         return [results[r] for r in range(world_size)]
+
+
+def _refuse_inherited_process_group():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "run_on_ranks: this test process already has a torch.distributed process group; forked ranks "
+            "would inherit it. Destroy it (torch.distributed.destroy_process_group()) before launching ranks."
+        )
 
 
 def _collect(procs, result_queue, world_size, timeout):

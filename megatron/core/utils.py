@@ -3,6 +3,7 @@
 This module sits at the bottom of the import graph: it imports nothing from `megatron.core` except
 enums, so any module may import it.
 """
+import importlib
 import importlib.util
 import math
 from functools import lru_cache
@@ -131,3 +132,23 @@ def make_viewless_tensor(inp: torch.Tensor, requires_grad: bool, keep_graph: boo
 def get_torch_device_type() -> str:
     """'cuda' when a GPU is usable, else 'cpu'."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# Megatron exposes these from `megatron.core.utils`; they live higher in the import graph, so they are
+# resolved lazily (PEP 562) to keep this module at the bottom of it.
+_LAZY_REEXPORTS = {
+    "get_pg_size": "megatron.core.process_groups_config",
+    "get_pg_rank": "megatron.core.process_groups_config",
+    "get_tensor_model_parallel_group_if_none": "megatron.core.process_groups_config",
+    "make_tp_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.utils",
+    "make_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.utils",
+    "GlobalMemoryBuffer": "megatron.core.parallel_state",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY_REEXPORTS:
+        value = getattr(importlib.import_module(_LAZY_REEXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'megatron.core.utils' has no attribute {name!r}")

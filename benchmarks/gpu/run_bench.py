@@ -1,0 +1,268 @@
+"""GPU benchmark: the real `pretrain_gpt.py` path against the plain-PyTorch yardstick, in one job.
+
+Runs each config through `pretrain_gpt.py` (TFLOP/s/GPU read from the framework's own log lines after
+the first, compile-including, log interval) and the models through the yardstick script (`--yardstick
+PATH`, a copy of shared/bench/gpt_baseline.py), then prints one table: ours, yardstick, ratio, peak
+memory, plus the derived pipeline / data / tensor-parallel efficiencies. Single-GPU jobs run side by side,
+one per GPU (CUDA_VISIBLE_DEVICES); multi-GPU jobs run under torchrun on all GPUs, one at a time.
+
+  python benchmarks/gpu/run_bench.py --yardstick .bench/gpt_baseline.py --configs gpt1.3b llama1b gpt2.7b
+  python benchmarks/gpu/run_bench.py ... --configs gpt1.3b gpt1.3b:nocompile --extra-jobs attn profile
+
+A config may carry a variant after a colon (`gpt1.3b:nocompile`): see VARIANTS.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMON = (
+    "--bf16 --mock-data --tokenizer-type NullTokenizer --hidden-dropout 0 --attention-dropout 0 "
+    "--lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --eval-iters 0 --eval-interval 100000 --log-throughput"
+)
+MODELS = {
+    "gpt1.3b": (
+        "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 "
+        "--max-position-embeddings 2048 --micro-batch-size 8 --vocab-size 50303",
+        "--layers 24 --hidden 2048 --heads 16 --seq 2048 --mbs 8",
+    ),
+    "llama1b": (
+        "--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 "
+        "--group-query-attention --num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 "
+        "--micro-batch-size 4 --normalization RMSNorm --swiglu --position-embedding-type rope "
+        "--disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 31999",
+        "--llama --layers 16 --hidden 2048 --heads 16 --kv-heads 8 --ffn 5632 --seq 4096 --mbs 4 --vocab 32000",
+    ),
+    "gpt2.7b": (
+        "--num-layers 32 --hidden-size 2560 --num-attention-heads 20 --seq-length 4096 "
+        "--max-position-embeddings 4096 --micro-batch-size 4 --vocab-size 50303",
+        "--layers 32 --hidden 2560 --heads 20 --seq 4096 --mbs 4",
+    ),
+    "tiny": (  # a CPU dry run of this script
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+        "--micro-batch-size 2 --vocab-size 4200",
+        "--layers 2 --hidden 64 --heads 4 --seq 64 --mbs 2 --vocab 4200",
+    ),
+}
+# name -> (model, gpus, extra flags, global batch size, train iters, log interval)
+CONFIGS = {
+    "gpt1.3b": ("gpt1.3b", 1, "", 8, 25, 5),
+    "llama1b": ("llama1b", 1, "", 4, 25, 5),
+    "gpt2.7b": ("gpt2.7b", 1, "", 4, 20, 5),
+    "gpt1.3b-pp1-m8": ("gpt1.3b", 1, "", 64, 9, 3),
+    "gpt1.3b-dp2": ("gpt1.3b", 2, "--overlap-grad-reduce", 16, 25, 5),
+    "gpt1.3b-tp2-sp": ("gpt1.3b", 2, "--tensor-model-parallel-size 2 --sequence-parallel", 8, 25, 5),
+    "gpt1.3b-pp2-m8": ("gpt1.3b", 2, "--pipeline-model-parallel-size 2", 64, 9, 3),
+    "tiny": ("tiny", 1, "", 4, 6, 2),
+    "tiny-pp2": ("tiny", 2, "--pipeline-model-parallel-size 2", 8, 6, 2),
+}
+# Environment switches of the fast path (see megatron/core/transformer/layer_compile.py, fusions/_compile.py).
+VARIANTS = {
+    "": {},
+    "nocompile": {"MEGATRON_COMPILE_LAYERS": "0"},
+    "compile": {"MEGATRON_COMPILE_LAYERS": "1"},
+    "eager": {"MEGATRON_COMPILE_LAYERS": "0", "MEGATRON_EAGER_FUSIONS": "1"},
+}
+TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
+ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+LOSS_RE = re.compile(r"lm loss: ([0-9.E+-]+)")
+MEM_RE = re.compile(r"max allocated: ([0-9.]+)")
+KEEP_RE = re.compile(r"iteration|memory|Error|error|Traceback|warn|File \"|TFLOP|compile", re.IGNORECASE)
+
+
+class Job:
+    """One subprocess on `gpus` GPUs; its output goes to a log file."""
+
+    def __init__(self, name, cmd, gpus, env=None, kind="cmd"):
+        self.name, self.cmd, self.gpus, self.env, self.kind = name, cmd, gpus, env or {}, kind
+        self.proc = self.log_path = self.start = None
+        self.wall_s = None
+        self.devices = []
+
+    def launch(self, devices, log_dir):
+        self.devices = devices
+        self.log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", self.name) + ".log")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+                   CUDA_VISIBLE_DEVICES=",".join(str(d) for d in devices), **self.env)
+        self.start = time.time()
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=open(self.log_path, "w"),
+                                     stderr=subprocess.STDOUT)
+
+    def poll(self):
+        if self.proc.poll() is None:
+            return False
+        self.wall_s = round(time.time() - self.start, 1)
+        return True
+
+    def log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+
+def ours_job(config, iters_override=None, profile_out=None):
+    name, _, variant = config.partition(":")
+    model, gpus, flags, gbs, iters, interval = CONFIGS[name]
+    iters = iters_override or iters
+    args = f"{MODELS[model][0]} {COMMON} {flags} --global-batch-size {gbs} --train-iters {iters} --log-interval {interval}"
+    script = [os.path.join(ROOT, "pretrain_gpt.py")]
+    if profile_out:
+        start = iters - 3
+        args += f" --profile --use-pytorch-profiler --profile-step-start {start} --profile-step-end {start + 2}"
+        script = [os.path.join(ROOT, "benchmarks", "gpu", "profile_pretrain.py"), "--profile-out", profile_out, "--"]
+    launcher = [sys.executable]
+    if gpus > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--master-port", "29511"]
+    cmd = launcher + script + args.split()
+    job = Job(config + (":profile" if profile_out else ""), cmd, gpus, VARIANTS[variant], kind="ours")
+    job.interval = interval
+    return job
+
+
+def yardstick_job(path, model, steps=15):
+    return Job(f"yardstick:{model}", [sys.executable, path, "--compile", "--steps", str(steps)]
+               + MODELS[model][1].split(), 1, kind="yard")
+
+
+def run_jobs(jobs, num_gpus, log_dir, deadline):
+    """Start jobs in order as GPUs free up (a job never overtakes an earlier one that waits for GPUs)."""
+    pending, running, free = list(jobs), [], list(range(num_gpus))
+    while pending or running:
+        for job in list(running):
+            if job.poll():
+                running.remove(job)
+                free.extend(job.devices)
+                print(f"[bench] done {job.name} rc={job.proc.returncode} in {job.wall_s}s", flush=True)
+        while pending and len(free) >= pending[0].gpus:
+            job = pending.pop(0)
+            devices, free = free[: job.gpus], free[job.gpus:]
+            job.launch(devices, log_dir)
+            running.append(job)
+            print(f"[bench] start {job.name} on GPUs {devices}", flush=True)
+        if time.time() > deadline:
+            for job in running:
+                job.proc.kill()
+            print(f"[bench] deadline: killed {[j.name for j in running]}, skipped {[j.name for j in pending]}")
+            break
+        time.sleep(1)
+
+
+def parse_ours(job):
+    log = job.log()
+    tflops = [float(v) for v in TFLOPS_RE.findall(log)]
+    elapsed = [float(v) for v in ELAPSED_RE.findall(log)]
+    mem = [float(v) for v in MEM_RE.findall(log)]
+    steady_ms = statistics.median(elapsed[1:]) if len(elapsed) > 1 else None
+    compile_s = (elapsed[0] - steady_ms) * job.interval / 1000 if steady_ms else None
+    return {
+        "rc": job.proc.returncode if job.proc else None, "wall_s": job.wall_s,
+        "tflops": round(statistics.median(tflops[1:]), 1) if len(tflops) > 1 else None,
+        "tflops_all": tflops, "step_ms": steady_ms, "first_interval_extra_s": round(compile_s, 1) if compile_s else None,
+        "losses": [float(v) for v in LOSS_RE.findall(log)],
+        "peak_mem_gb": round(max(mem) / 1024, 1) if mem else None,
+    }
+
+
+def parse_yardstick(job):
+    for line in job.log().splitlines()[::-1]:
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": job.log()[-1500:]}
+
+
+def derived(results):
+    """Pipeline bubble / efficiency, DP scaling and TP+SP fraction from the measured rows."""
+    t = {name: r["ours"].get("tflops") for name, r in results.items() if r.get("ours")}
+    out = {}
+    if t.get("gpt1.3b-pp2-m8") and t.get("gpt1.3b-pp1-m8"):
+        p, m = 2, 8
+        out["pp2_theoretical_bubble"] = round((p - 1) / (m + p - 1), 3)
+        out["pp2_efficiency_vs_pp1"] = round(t["gpt1.3b-pp2-m8"] / t["gpt1.3b-pp1-m8"], 3)
+    if t.get("gpt1.3b-dp2") and t.get("gpt1.3b"):
+        out["dp2_scaling_efficiency"] = round(t["gpt1.3b-dp2"] / t["gpt1.3b"], 3)
+    if t.get("gpt1.3b-tp2-sp") and t.get("gpt1.3b"):
+        out["tp2_sp_fraction_of_tp1_per_gpu"] = round(t["gpt1.3b-tp2-sp"] / t["gpt1.3b"], 3)
+    return out
+
+
+def trimmed(text, keep_tail=40):
+    lines = text.splitlines()
+    kept = [line for line in lines[:-keep_tail] if KEEP_RE.search(line)][-80:]
+    return "\n".join(kept + lines[-keep_tail:])
+
+
+def build_jobs(args):
+    jobs = []
+    for config in args.configs:
+        jobs.append(ours_job(config))
+        model = CONFIGS[config.partition(":")[0]][0]
+        if args.yardstick and f"yardstick:{model}" not in [j.name for j in jobs]:
+            jobs.append(yardstick_job(args.yardstick, model))
+    for extra in args.extra_jobs:
+        if extra == "attn":
+            jobs.append(Job("attn_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/attn_bench.py")], 1))
+        elif extra == "gputests":
+            jobs.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                          "tests/unit/fusions", "tests/unit/models/test_models_gpu.py"], 1))
+        elif extra.startswith("profile"):
+            config = extra.partition("=")[2] or "gpt1.3b"
+            jobs.append(ours_job(config, profile_out=os.path.join(args.out, f"profile_{config.replace(':', '_')}.txt")))
+    # Single-GPU jobs first (they run two at a time), multi-GPU jobs after.
+    return sorted(jobs, key=lambda job: job.gpus)
+
+
+def report(jobs, args):
+    results = {}
+    for job in jobs:
+        if job.kind == "ours" and not job.name.endswith(":profile"):
+            model = CONFIGS[job.name.partition(":")[0]][0]
+            results[job.name] = {"ours": parse_ours(job) if job.proc else {}, "model": model}
+        elif job.kind == "yard" and job.proc:
+            results[job.name] = {"yardstick": parse_yardstick(job)}
+    summary = {"results": results, "derived": derived(results), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(args.out, "bench_logs.txt"), "w") as f:
+        for job in jobs:
+            if job.proc:
+                f.write(f"\n===== {job.name} rc={job.proc.returncode} wall={job.wall_s}s\n{trimmed(job.log())}\n")
+    print(f"\n{'config':24s} {'ours':>7s} {'yard':>7s} {'ratio':>6s} {'peakGB':>7s} {'yardGB':>7s} {'step ms':>8s} "
+          f"{'1st+s':>6s} rc")
+    for name, r in results.items():
+        if "ours" not in r:
+            continue
+        o, y = r["ours"], results.get(f"yardstick:{r['model']}", {}).get("yardstick", {})
+        ratio = o["tflops"] / y["tflops"] if o.get("tflops") and y.get("tflops") else float("nan")
+        print(f"{name:24s} {str(o.get('tflops')):>7s} {str(y.get('tflops')):>7s} {ratio:6.3f} "
+              f"{str(o.get('peak_mem_gb')):>7s} {str(y.get('peak_mem_gb')):>7s} {str(o.get('step_ms')):>8s} "
+              f"{str(o.get('first_interval_extra_s')):>6s} {o.get('rc')}")
+    print(json.dumps(summary["derived"]))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--yardstick", default=None, help="path of a copy of gpt_baseline.py (omit: no yardstick)")
+    parser.add_argument("--configs", nargs="*", default=["gpt1.3b"])
+    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, profile[=CONFIG]")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    parser.add_argument("--budget-s", type=float, default=540, help="kill what still runs after this long")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    if args.gpus is None:
+        args.gpus = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                                       capture_output=True, text=True).stdout.strip() or 1)
+    jobs = build_jobs(args)
+    if any(job.gpus > args.gpus for job in jobs):
+        raise SystemExit(f"a job needs more than the {args.gpus} GPUs available")
+    with tempfile.TemporaryDirectory() as log_dir:
+        run_jobs(jobs, args.gpus, log_dir, time.time() + args.budget_s)
+        report(jobs, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Storage strategies of distributed checkpoints (only `torch_dist`, on torch.distributed.checkpoint)."""

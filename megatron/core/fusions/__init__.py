@@ -1,0 +1,1 @@
+"""Fused elementwise functions (bias+activation, bias+dropout+add) in plain PyTorch."""

@@ -1,0 +1,1 @@
+"""Models built from Megatron Core transformer blocks."""

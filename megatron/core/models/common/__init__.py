@@ -1,0 +1,1 @@
+"""Parts shared by the models: embeddings and the language-model base class."""

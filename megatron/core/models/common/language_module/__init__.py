@@ -1,0 +1,1 @@
+"""The language-model base class."""

@@ -1,0 +1,172 @@
+"""Layer specs of GPT models (Megatron Core's function names and signatures).
+
+Both specs build native layers (tensor-parallel linears, native norms, SDPA attention), so neither
+needs Transformer Engine or Apex. The local spec keeps the norms as separate modules
+(`input_layernorm`, `pre_mlp_layernorm`, with `sharded_state_dict_keys_map` naming their TE keys); the
+Transformer Engine spec fuses them into `linear_qkv` / `linear_fc1` as TE does, so its parameter names
+and order equal those of Megatron's default TE models.
+"""
+import logging
+from typing import Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import TECompatibleDotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.layernorm_linear import LayerNormColumnParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import module_available
+
+logger = logging.getLogger(__name__)
+
+_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+_te_notice_logged = False
+
+
+def _unsupported(num_experts, multi_latent_attention, use_kitchen):
+    if num_experts:
+        raise ValueError(f"num_experts ({num_experts}): mixture-of-experts layers are not supported yet.")
+    if multi_latent_attention:
+        raise ValueError("multi_latent_attention: MLA layers are not supported yet.")
+    if use_kitchen:
+        raise ValueError("use_kitchen: nvidia_kitchen layers are not supported.")
+
+
+def _dense_layer_spec(
+    backend, qk_layernorm: bool, qk_l2_norm: bool, normalization: Optional[str], fuse_norm: bool = False
+) -> ModuleSpec:
+    """A dense layer; with `fuse_norm` the norms sit inside linear_qkv / linear_fc1 (TE's layout and keys)."""
+    rms = normalization == "RMSNorm"
+    layer_norm = IdentityOp if fuse_norm else backend.layer_norm(rms_norm=rms, for_qk=False)
+    qkv = LayerNormColumnParallelLinear if fuse_norm else backend.column_parallel_linear()
+    qk_norm = backend.layer_norm(rms_norm=rms, for_qk=True)
+    if qk_l2_norm:
+        qk_norm = backend.l2_norm()
+    q_k_norm = qk_norm if (qk_layernorm or qk_l2_norm) else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=layer_norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=qkv,
+                    core_attention=TECompatibleDotProductAttention if fuse_norm else backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=q_k_norm,
+                    k_layernorm=q_k_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=layer_norm,
+            mlp=get_mlp_module_spec(use_te=fuse_norm),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={} if fuse_norm else dict(_KEYS_MAP),
+        ),
+    )
+
+
+def get_gpt_layer_local_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    use_kitchen: bool = False,
+) -> ModuleSpec:
+    """Spec of a dense GPT layer built from native modules."""
+    _unsupported(num_experts, multi_latent_attention, use_kitchen)
+    return _dense_layer_spec(LocalSpecProvider(), bool(qk_layernorm), bool(qk_l2_norm), normalization)
+
+
+def get_gpt_layer_with_transformer_engine_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    qk_l2_norm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+    use_kitchen: bool = False,
+) -> ModuleSpec:
+    """Megatron's default (`--transformer-impl transformer_engine`) spec; built from native modules here."""
+    global _te_notice_logged
+    if not _te_notice_logged:
+        reason = "is not installed" if not module_available("transformer_engine") else "is not used by this framework"
+        logger.info("Transformer Engine %s: the transformer_engine layer spec builds the native layers.", reason)
+        _te_notice_logged = True
+    _unsupported(num_experts, multi_latent_attention, use_kitchen)
+    return _dense_layer_spec(LocalSpecProvider(), bool(qk_layernorm), bool(qk_l2_norm), None, fuse_norm=True)
+
+
+def get_mlp_module_spec(
+    use_te: Optional[bool] = True,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+) -> ModuleSpec:
+    """Spec of a dense MLP; with `use_te` the pre-MLP norm is fused into fc1 (TE's layout and keys)."""
+    if num_experts:
+        raise ValueError(f"num_experts ({num_experts}): mixture-of-experts layers are not supported yet.")
+    backend = LocalSpecProvider()
+    fc1 = LayerNormColumnParallelLinear if use_te else backend.column_parallel_linear()
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear()))
+
+
+def _moe_pattern(config: TransformerConfig):
+    freq = config.moe_layer_freq
+    if config.num_moe_experts is None:
+        return [0] * config.num_layers
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)
+
+
+def get_gpt_decoder_block_spec(
+    config: TransformerConfig,
+    use_transformer_engine: bool,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    vp_stage: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """Per-layer specs of this pipeline stage (dense layers) and the final norm."""
+    if any(_moe_pattern(config)):
+        raise ValueError("num_moe_experts: mixture-of-experts layers are not supported yet.")
+    if use_transformer_engine:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, qk_l2_norm=qk_l2_norm)
+    else:
+        layer_spec = get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm
+        )
+    layer_specs = [layer_spec] * config.num_layers
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    local_specs = layer_specs[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
+    return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=LocalSpecProvider().layer_norm())
+
+
+__all__ = [
+    "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_spec",
+    "get_gpt_decoder_block_spec",
+    "get_mlp_module_spec",
+]

@@ -1,0 +1,159 @@
+"""Global gradient norm, norm clipping and zero counting, reduced over the model-parallel ranks.
+
+Each rank passes only the gradients it owns for the norm (no tied-embedding copy, no tensor-parallel
+duplicate; see `param_is_not_shared` / `param_is_not_tensor_parallel_duplicate`), so that the sum
+of squares all-reduced over the model-parallel group counts every gradient element exactly once.
+Clipping then scales every gradient, duplicates included, by the same coefficient.
+
+Design note: the TP-duplicate check reads `parallel_state` directly instead of importing
+`tensor_parallel`, because `core/optimizer` may depend only on configs and `parallel_state`.
+"""
+import math
+from typing import Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    """False for a parameter flagged `shared` (e.g. the last stage's copy of tied embeddings)."""
+    return not getattr(param, "shared", False)
+
+
+def _tensor_model_parallel_rank() -> int:
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+    """True for TP-split params (`tensor_model_parallel`) and, for replicated params, on TP rank 0 only."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or _tensor_model_parallel_rank() == 0
+
+
+def _as_list(tensors: Union[torch.Tensor, Iterable[torch.Tensor]]) -> List[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return list(tensors)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (torch FSDP2), the tensor itself otherwise."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _dtensor_group(tensor: torch.Tensor):
+    """The data-parallel group a DTensor gradient is sharded over, or None."""
+    mesh = getattr(tensor, "device_mesh", None)
+    return mesh.get_group() if mesh is not None else None
+
+
+def _reduction_device(tensors: List[torch.Tensor], group) -> torch.device:
+    """Device for the reduction tensor: the grads' device, else what the group's backend needs."""
+    if tensors:
+        return tensors[0].device
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _l2_norm_squared(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of all elements, accumulated in fp32."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float, device=device)
+    same_dtype = all(g.dtype == torch.float32 for g in grads)
+    if same_dtype and len({g.device for g in grads}) == 1:
+        norms = torch._foreach_norm(grads, 2.0)
+    else:
+        norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
+    per_tensor = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    return torch.sum(per_tensor * per_tensor)
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: Union[List[torch.Tensor], torch.Tensor],
+    norm_type: Union[int, float] = 2,
+    grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
+) -> float:
+    """Norm of `grads_for_norm` over all ranks of `grad_stats_parallel_group`, computed in fp32.
+
+    `norm_type` may be `inf` (max-abs, MAX-reduced) or any p (sum of |g|^p, SUM-reduced, then the p-th
+    root). Gradients that are DTensors are additionally reduced over their data-parallel group.
+    """
+    grads = _as_list(grads_for_norm)
+    data_parallel_group = None
+    for grad in grads:
+        data_parallel_group = _dtensor_group(grad) or data_parallel_group
+    grads = [_local(grad) for grad in grads]
+    norm_type = float(norm_type)
+    device = _reduction_device(grads, grad_stats_parallel_group)
+    if norm_type == math.inf:
+        total = torch.zeros(1, dtype=torch.float, device=device)
+        if grads:
+            maxes = torch.stack([g.detach().abs().max().to(device=device, dtype=torch.float) for g in grads])
+            total = torch.max(maxes).reshape(1)  # [] -> [1]
+        if data_parallel_group is not None:
+            _all_reduce(total, dist.ReduceOp.MAX, data_parallel_group)
+        _all_reduce(total, dist.ReduceOp.MAX, grad_stats_parallel_group)
+        return total[0].item()
+    if norm_type == 2.0:
+        total = _l2_norm_squared([g.detach() for g in grads], device).reshape(1)  # [] -> [1]
+    else:
+        total = torch.zeros(1, dtype=torch.float, device=device)
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32)
+            total += norm.to(device) ** norm_type
+    if data_parallel_group is not None:
+        _all_reduce(total, dist.ReduceOp.SUM, data_parallel_group)
+    _all_reduce(total, dist.ReduceOp.SUM, grad_stats_parallel_group)
+    return total[0].item() ** (1.0 / norm_type)
+
+
+def clip_grad_by_total_norm_fp32(
+    parameters: Union[List[torch.Tensor], torch.Tensor],
+    max_norm: Union[int, float],
+    total_norm: float,
+    use_decoupled_grad: bool = False,
+) -> None:
+    """Scale every gradient of `parameters` by `max_norm / (total_norm + 1e-6)` when that is < 1."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = []
+    for param in _as_list(parameters):
+        grad = getattr(param, attr, None)
+        if grad is not None:
+            grads.append(_local(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def count_zeros_fp32(
+    parameters: Union[List[torch.Tensor], torch.Tensor],
+    grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
+    use_decoupled_grad: bool = False,
+) -> float:
+    """Number of zero gradient entries over owned (non-shared, non-TP-duplicate) params of all ranks."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    owned = []
+    data_parallel_group = None
+    for param in _as_list(parameters):
+        grad = getattr(param, attr, None)
+        if grad is not None and param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+            data_parallel_group = _dtensor_group(grad) or data_parallel_group
+            owned.append(_local(grad).detach())
+    device = _reduction_device(owned, grad_stats_parallel_group)
+    total = torch.zeros(1, dtype=torch.float, device=device)
+    for grad in owned:
+        total += grad.numel() - torch.count_nonzero(grad).to(device)
+    if data_parallel_group is not None:
+        _all_reduce(total, dist.ReduceOp.SUM, data_parallel_group)
+    _all_reduce(total, dist.ReduceOp.SUM, grad_stats_parallel_group)
+    return total[0].item()

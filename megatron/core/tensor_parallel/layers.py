@@ -1,0 +1,504 @@
+"""Tensor-parallel layers: `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`.
+
+Weights are stored in Megatron's layout (column: `[out/tp, in]`, row: `[out, in/tp]`, embedding:
+`[V/tp, h]`) and carry Megatron's parameter attributes (`tensor_model_parallel`, `partition_dim`,
+`partition_stride`, `sequence_parallel`, `allreduce`). All communication goes through `mappings`.
+
+Gradient accumulation fusion note: Megatron needs Apex's `fused_weight_gradient_mlp_cuda` for it;
+here the weight gradient is accumulated straight into `weight.main_grad` with a plain `addmm_` in the
+linear backward, so `gradient_accumulation_fusion=True` (the CLI default) works everywhere. Without a
+`main_grad` (no DDP wrapper) the weight gradient is returned to autograd as usual.
+"""
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parameter import Parameter
+
+from megatron.core import parallel_state
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.process_groups_config import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+from megatron.core.tensor_parallel.mappings import (
+    all_gather_along_first_dim,
+    all_reduce_tensor,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_along_first_dim,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.tensor_parallel.utils import VocabUtility, make_sharded_state_dict_for_layer
+from megatron.core.utils import divide
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def param_is_not_tensor_parallel_duplicate(param) -> bool:
+    """True for TP-split params and, for replicated params, only on TP rank 0 (count each value once)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+
+
+def set_tensor_model_parallel_attributes(tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Mark `tensor` as TP-split (or not) along `dim` with `stride` interleaved partitions."""
+    setattr(tensor, "tensor_model_parallel", is_parallel)
+    setattr(tensor, "partition_dim", dim)
+    setattr(tensor, "partition_stride", stride)
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor) -> None:
+    """Give `tensor` the 'not TP-split' attributes unless it already has them."""
+    for attribute, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, attribute):
+            setattr(tensor, attribute, value)
+
+
+def copy_tensor_model_parallel_attributes(destination_tensor, source_tensor) -> None:
+    """Copy the TP attributes that `source_tensor` has onto `destination_tensor`."""
+    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, attribute):
+            setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
+
+
+def _initialize_affine_weight_gpu(weight, init_method, partition_dim, stride=1, is_expert=False) -> None:
+    """Init this rank's shard in place under the model-parallel (or expert-parallel) RNG stream."""
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    name = get_expert_parallel_rng_tracker_name() if is_expert else "model-parallel-rng"
+    tracker = get_cuda_rng_tracker()
+    if tracker.is_initialized() and name in getattr(tracker, "states_", {name: None}):
+        with tracker.fork(name):
+            init_method(weight)
+    else:
+        init_method(weight)
+
+
+def _initialize_affine_weight_cpu(
+    weight,
+    output_size,
+    input_size,
+    per_partition_size,
+    partition_dim,
+    init_method,
+    stride=1,
+    return_master_weight=False,
+    *,
+    params_dtype=torch.float32,
+    rank=None,
+    world_size=None,
+    skip_set_tensor_parallel_attributes=False,
+):
+    """Init the full `[output_size, input_size]` weight on CPU (default generator) and copy this rank's
+    partitions into `weight`, so the model is identical for every TP size."""
+    if not skip_set_tensor_parallel_attributes:
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    master_weight = torch.empty(output_size, input_size, dtype=torch.float, device="cpu", requires_grad=False)
+    init_method(master_weight)
+    master_weight = master_weight.to(dtype=params_dtype)
+    if rank is None:
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+    per_partition_per_stride_size = divide(per_partition_size, stride)
+    # [out, in] -> (stride * tp) x [out/(stride*tp), in] along partition_dim; this rank keeps every tp-th piece
+    pieces = torch.split(master_weight, per_partition_per_stride_size, dim=partition_dim)
+    with torch.no_grad():
+        weight.data.copy_(torch.cat(pieces[rank::world_size], dim=partition_dim).to(weight.device))
+    return master_weight if return_master_weight else None
+
+
+def _weight_device(config: ModelParallelConfig):
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _accumulate_weight_grad(weight, grad_output_2d, input_2d):
+    """Add the weight gradient into `weight.main_grad`; return the placeholder grad Megatron's DDP expects."""
+    main_grad = weight.main_grad
+    # main_grad [out, in] += grad_output^T [out, s*b] @ input [s*b, in]
+    if main_grad.dtype == grad_output_2d.dtype:
+        main_grad.addmm_(grad_output_2d.t(), input_2d)
+    else:
+        main_grad.add_(torch.matmul(grad_output_2d.t(), input_2d).to(main_grad.dtype))
+    if hasattr(weight, "grad_added_to_main_grad"):
+        # DDP's grad hook only runs when a grad reaches the param: hand it a placeholder it will skip.
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        placeholder = make(weight.main_grad.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
+        weight.grad_added_to_main_grad = True
+        return placeholder
+    return None
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """`y = x W^T + b` with TP/SP communication folded in.
+
+    Forward: with sequence_parallel, all-gather x along the sequence dim first.
+    Backward: dgrad is all-reduced over TP (allreduce_dgrad, overlapped with the wgrad GEMM) or
+    reduce-scattered along the sequence dim (sequence_parallel); wgrad goes to `main_grad` when fused.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                grad_output_buffer, wgrad_deferral_limit, tp_group):
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.sequence_parallel = sequence_parallel
+        ctx.grad_output_buffer = grad_output_buffer
+        ctx.wgrad_deferral_limit = wgrad_deferral_limit
+        ctx.tp_group = tp_group
+        total_input = all_gather_along_first_dim(input, tp_group) if sequence_parallel else input
+        # [s, b, in] @ [in, out] -> [s, b, out]
+        output = torch.matmul(total_input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        group = ctx.tp_group
+        wgrad_compute = ctx.needs_input_grad[1]
+        buffer = ctx.grad_output_buffer
+        if buffer is not None and wgrad_compute:
+            if ctx.wgrad_deferral_limit == 0 or len(buffer) < ctx.wgrad_deferral_limit:
+                buffer.append(grad_output)
+                wgrad_compute = False
+        total_input = input
+        if ctx.sequence_parallel and wgrad_compute:
+            total_input = all_gather_along_first_dim(input, group)
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        handle = None
+        if ctx.allreduce_dgrad and grad_input is not None:
+            grad_input = grad_input.contiguous()
+            handle = all_reduce_tensor(grad_input, group, async_op=True)
+        grad_weight = None
+        if wgrad_compute:
+            # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
+            grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+            # [s, b, in] -> [s*b, in]
+            input_2d = total_input.reshape(-1, total_input.shape[-1])
+            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+                grad_weight = _accumulate_weight_grad(weight, grad_output_2d, input_2d)
+            else:
+                # [out, s*b] @ [s*b, in] -> [out, in]
+                grad_weight = grad_output_2d.t().matmul(input_2d)
+        # [s, b, out] -> [s*b, out] -> [out]
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
+        if ctx.sequence_parallel and grad_input is not None:
+            grad_input = reduce_scatter_along_first_dim(grad_input, group)
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: Optional[List[torch.Tensor]] = None,
+    wgrad_deferral_limit: Optional[int] = 0,
+    async_grad_allreduce: Optional[bool] = None,
+    tp_group=None,
+) -> torch.Tensor:
+    """Linear layer with TP communication in its backward (see LinearWithGradAccumulationAndAsyncCommunication).
+
+    `async_grad_allreduce` is the deprecated name of `allreduce_dgrad`; `tp_group=None` means the TP group.
+    """
+    if async_grad_allreduce is not None:
+        allreduce_dgrad = async_grad_allreduce
+    if allreduce_dgrad and sequence_parallel:
+        raise ValueError("allreduce_dgrad and sequence_parallel cannot both be True: SP reduce-scatters the dgrad")
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+        grad_output_buffer, wgrad_deferral_limit or 0, tp_group,
+    )
+
+
+
+def linear_with_frozen_weight(
+    input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+    grad_output_buffer=None, wgrad_deferral_limit=None, async_grad_allreduce=None, tp_group=None,
+):
+    """Same as `linear_with_grad_accumulation_and_async_allreduce` for a weight with requires_grad=False."""
+    return linear_with_grad_accumulation_and_async_allreduce(
+        input, weight, bias, False, allreduce_dgrad, sequence_parallel, None, 0, async_grad_allreduce, tp_group
+    )
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding split along the vocabulary: rank r holds rows [r*V/tp, (r+1)*V/tp).
+
+    Forward: look up the ids this rank owns (others give 0), then all-reduce over TP, or, with
+    `reduce_scatter_embeddings`, transpose to `[s, b, h]` and reduce-scatter along the sequence.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable,
+                 reduce_scatter_embeddings: bool = False, config: ModelParallelConfig, tp_group=None):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        self.tp_size = get_pg_size(self.tp_group)
+        self.tp_rank = get_pg_rank(self.tp_group)
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, self.tp_rank, self.tp_size
+        )
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.deterministic_mode = config.deterministic_mode
+        self.weight = Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                                            device=_weight_device(config), dtype=config.params_dtype))
+        if config.perform_initialization:
+            if config.use_cpu_initialization:
+                _initialize_affine_weight_cpu(
+                    self.weight, num_embeddings, embedding_dim, self.num_embeddings_per_partition, 0, init_method,
+                    params_dtype=config.params_dtype, rank=self.tp_rank, world_size=self.tp_size,
+                )
+            else:
+                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1)
+        else:
+            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> [b, s, h] (or [s/tp, b, h] with reduce_scatter_embeddings)."""
+        if self.tp_size > 1:
+            input_mask = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            masked_input = input_.clone() - self.vocab_start_index
+            masked_input[input_mask] = 0
+        else:
+            masked_input = input_
+        if self.deterministic_mode:
+            output_parallel = self.weight[masked_input]
+        else:
+            output_parallel = F.embedding(masked_input, self.weight)
+        if self.tp_size > 1:
+            output_parallel[input_mask, :] = 0.0
+        if self.reduce_scatter_embeddings:
+            # [b, s, h] -> [s, b, h]
+            output_parallel = output_parallel.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The weight, TP-split along the vocabulary; loads across padded-vocab changes (shape mismatch allowed)."""
+        state_dict = {"weight": self.state_dict(prefix="", keep_vars=True)["weight"]}
+        return make_sharded_state_dict_for_layer(state_dict, prefix, {"weight": 0}, sharded_offsets,
+                                                 allow_shape_mismatch=True)
+
+
+def _init_linear_weight(layer, config, init_method, out_full, in_full, per_partition, partition_dim, stride,
+                        keep_master_weight_for_test, is_expert):
+    """Create and initialise `layer.weight` of shape [out, in] split along `partition_dim`."""
+    shape = (per_partition, in_full) if partition_dim == 0 else (out_full, per_partition)
+    layer.weight = Parameter(torch.empty(*shape, device=_weight_device(config), dtype=config.params_dtype))
+    layer.master_weight = None
+    if not config.perform_initialization:
+        set_tensor_model_parallel_attributes(layer.weight, True, partition_dim, stride)
+    elif config.use_cpu_initialization:
+        layer.master_weight = _initialize_affine_weight_cpu(
+            layer.weight, out_full, in_full, per_partition, partition_dim, init_method, stride=stride,
+            return_master_weight=keep_master_weight_for_test, params_dtype=config.params_dtype,
+            rank=layer.tp_rank, world_size=layer.tp_size,
+        )
+    else:
+        _initialize_affine_weight_gpu(layer.weight, init_method, partition_dim, stride, is_expert=is_expert)
+    setattr(layer.weight, "allreduce", not (is_expert and layer.expert_parallel))
+
+
+def _init_bias(layer, config, size, stride, tensor_parallel):
+    bias = Parameter(torch.empty(size, device=_weight_device(config), dtype=config.params_dtype))
+    if tensor_parallel:
+        set_tensor_model_parallel_attributes(bias, True, 0, stride)
+    if config.perform_initialization:
+        with torch.no_grad():
+            bias.zero_()
+    setattr(bias, "allreduce", not (layer.is_expert and layer.expert_parallel))
+    return bias
+
+
+class _ParallelLinearBase(torch.nn.Module):
+    """Shared set-up of the column- and row-parallel linear layers."""
+
+    def _setup(self, config, is_expert, tp_group, skip_bias_add):
+        self.config = config
+        self.is_expert = is_expert
+        self.expert_parallel = config.expert_model_parallel_size > 1
+        self.skip_bias_add = skip_bias_add
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
+        self.tp_size = get_pg_size(self.tp_group)
+        self.tp_rank = get_pg_rank(self.tp_group)
+        self.explicit_expert_comm = is_expert and (self.tp_size > 1 or self.expert_parallel)
+        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
+
+    def _linear(self, input_parallel, weight, bias, allreduce_dgrad, sequence_parallel, grad_output_buffer=None):
+        impl = self._forward_impl if weight.requires_grad else linear_with_frozen_weight
+        return impl(
+            input=input_parallel,
+            weight=weight,
+            bias=bias,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            allreduce_dgrad=allreduce_dgrad,
+            sequence_parallel=sequence_parallel,
+            grad_output_buffer=grad_output_buffer,
+            wgrad_deferral_limit=self.config.wgrad_deferral_limit,
+            tp_group=self.tp_group,
+        )
+
+    _TP_AXIS_MAP: dict = {}
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Weight and bias as ShardedTensors (TP-split per `_TP_AXIS_MAP`), `_extra_state` as a ShardedObject."""
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_state_dict_for_layer(state_dict, prefix, self._TP_AXIS_MAP, sharded_offsets)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Extra state is ignored (kept for Transformer Engine state-dict compatibility)."""
+
+    def get_extra_state(self) -> None:
+        """No extra state; the `_extra_state` key keeps state dicts compatible with Transformer Engine layers."""
+        return None
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """`Y = X A + b` with A split along its output dim: weight `[output_size/tp, input_size]`.
+
+    Forward: (SP) all-gather X along the sequence dim, or (no SP) identity with the dgrad all-reduced
+    in backward; optionally all-gather Y along the last dim (`gather_output`).
+    Returns `(output, output_bias)`; `output_bias` is the bias only with `skip_bias_add`.
+    """
+
+    _TP_AXIS_MAP = {"weight": 0, "bias": 0}
+
+    def __init__(self, input_size, output_size, *, config: ModelParallelConfig, init_method: Callable, bias=True,
+                 gather_output=False, stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
+                 skip_weight_param_allocation: bool = False, embedding_activation_buffer: Optional[List] = None,
+                 grad_output_buffer: Optional[List] = None, is_expert: bool = False, tp_comm_buffer_name: str = None,
+                 disable_grad_reduce: bool = False, tp_group=None):
+        super().__init__()
+        self._setup(config, is_expert, tp_group, skip_bias_add)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.gather_output = gather_output
+        self.embedding_activation_buffer = embedding_activation_buffer
+        self.grad_output_buffer = grad_output_buffer
+        self.disable_grad_reduce = disable_grad_reduce
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            _init_linear_weight(self, config, init_method, output_size, input_size, self.output_size_per_partition,
+                                0, stride, keep_master_weight_for_test, is_expert)
+        if bias:
+            self.bias = _init_bias(self, config, self.output_size_per_partition, stride, tensor_parallel=True)
+        else:
+            self.register_parameter("bias", None)
+        self.allreduce_dgrad = self.tp_size > 1 and not self.sequence_parallel and not disable_grad_reduce
+
+    def _check_weight(self, weight):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError(
+                    "ColumnParallelLinear was built with skip_weight_param_allocation=True: pass weight= to forward"
+                )
+            return self.weight
+        expected = (self.output_size_per_partition, self.input_size)
+        if tuple(weight.shape) != expected:
+            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not {expected} as expected")
+        return weight
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output=None):
+        """[s, b, h_in] (or [s/tp, b, h_in] with SP) -> ([s, b, h_out/tp] or gathered [s, b, h_out], bias)."""
+        weight = self._check_weight(weight)
+        bias = self.bias if not self.skip_bias_add else None
+        plain_input = self.allreduce_dgrad or self.sequence_parallel or self.explicit_expert_comm
+        if plain_input or self.disable_grad_reduce:
+            input_parallel = input_
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        if self.config.defer_embedding_wgrad_compute and self.embedding_activation_buffer is not None:
+            limit = self.config.wgrad_deferral_limit
+            if limit == 0 or len(self.embedding_activation_buffer) < limit:
+                self.embedding_activation_buffer.append(input_parallel)
+        output_parallel = self._linear(
+            input_parallel, weight, bias,
+            allreduce_dgrad=False if self.explicit_expert_comm else self.allreduce_dgrad,
+            sequence_parallel=False if self.explicit_expert_comm else self.sequence_parallel,
+            grad_output_buffer=self.grad_output_buffer if self.config.defer_embedding_wgrad_compute else None,
+        )
+        gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather_output:
+            if self.sequence_parallel:
+                raise ValueError("gather_output=True cannot be combined with sequence_parallel=True")
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(in_features={self.input_size}, out_features={self.output_size}, "
+                f"bias={self.bias is not None}, TP={self.tp_size})")
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """`Y = X A + b` with A split along its input dim: weight `[output_size, input_size/tp]`.
+
+    Forward: (unless input_is_parallel) keep this rank's slice of X's last dim, multiply, then
+    all-reduce over TP, or reduce-scatter along the sequence dim with SP; the bias is added after.
+    """
+
+    _TP_AXIS_MAP = {"weight": 1}
+
+    def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
+                 bias: bool, input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, is_expert: bool = False, tp_comm_buffer_name: str = None,
+                 tp_group=None):
+        super().__init__()
+        self._setup(config, is_expert, tp_group, skip_bias_add)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        _init_linear_weight(self, config, init_method, output_size, input_size, self.input_size_per_partition,
+                            1, stride, keep_master_weight_for_test, is_expert)
+        if bias:
+            self.bias = _init_bias(self, config, output_size, stride, tensor_parallel=False)
+            setattr(self.bias, "sequence_parallel", self.sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        """[s, b, h_in/tp] (or full h_in) -> ([s, b, h_out] or [s/tp, b, h_out] with SP, bias)."""
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output_parallel = self._linear(input_parallel, self.weight, None, allreduce_dgrad=False,
+                                       sequence_parallel=False)
+        if self.explicit_expert_comm:
+            if not self.skip_bias_add:
+                raise ValueError("expert RowParallelLinear with explicit expert communication needs skip_bias_add=True")
+            output_ = output_parallel
+        elif self.sequence_parallel:
+            output_ = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output_ = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        if self.skip_bias_add:
+            return output_, self.bias
+        output = output_ + self.bias if self.bias is not None else output_
+        return output, None
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(in_features={self.input_size}, out_features={self.output_size}, "
+                f"bias={self.bias is not None}, TP={self.tp_size})")

@@ -1,0 +1,211 @@
+"""Multi-head / grouped-query self-attention with a fused QKV projection.
+
+`linear_qkv` produces, per query group, the rows [q_1 .. q_{np/ng}, k, v] * head_dim (Megatron's
+layout, so checkpoints interchange). Heads and query groups are split over tensor-parallel ranks;
+each rank owns whole query groups, so the split is a contiguous slice of the fused weight.
+"""
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+
+from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import get_model_comm_pgs_tp, get_tp_world_size
+from megatron.core.utils import divide
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    """Specs of the parts of a self-attention layer."""
+
+    linear_qkv: Union[ModuleSpec, type] = None
+    """Fused query/key/value projection (column-parallel)."""
+
+    core_attention: Union[ModuleSpec, type] = None
+    """Core attention (softmax(QK^T)V)."""
+
+    linear_proj: Union[ModuleSpec, type] = None
+    """Output projection (row-parallel)."""
+
+    q_layernorm: Union[ModuleSpec, type] = None
+    """Per-head query norm (None or IdentityOp: none)."""
+
+    k_layernorm: Union[ModuleSpec, type] = None
+    """Per-head key norm (None or IdentityOp: none)."""
+
+
+
+@dataclass
+class CrossAttentionSubmodules:
+    """Specs of the parts of a cross-attention layer."""
+
+    linear_q: Union[ModuleSpec, type] = None
+    """Query projection (column-parallel)."""
+
+    linear_kv: Union[ModuleSpec, type] = None
+    """Fused key/value projection (column-parallel)."""
+
+    core_attention: Union[ModuleSpec, type] = None
+    """Core attention (softmax(QK^T)V)."""
+
+    linear_proj: Union[ModuleSpec, type] = None
+    """Output projection (row-parallel)."""
+
+
+
+class Attention(MegatronModule):
+    """Shared part of attention layers: core attention, output projection and the forward pass."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        cp_comm_type: Optional[str] = None,
+        model_comm_pgs=None,
+    ):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.tp_group = get_model_comm_pgs_tp(model_comm_pgs)
+        world_size = get_tp_world_size(self.tp_group)
+        self.query_projection_size = config.kv_channels * config.num_attention_heads
+        self.kv_projection_size = config.kv_channels * config.num_query_groups
+        self.hidden_size_per_attention_head = divide(self.query_projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
+        self.core_attention = build_module(
+            submodules.core_attention,
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type=attention_type,
+            cp_comm_type=cp_comm_type,
+            softmax_scale=config.softmax_scale,
+            model_comm_pgs=model_comm_pgs,
+        )
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            self.query_projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.tp_group,
+        )
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
+        """Queries [sq, b, np, hn], keys and values [sk, b, ng, hn]."""
+        raise NotImplementedError(f"{type(self).__name__} must define get_query_key_value_tensors")
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        key_value_states: Optional[torch.Tensor] = None,
+        inference_context=None,
+        rotary_pos_emb: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        rotary_pos_cos: Optional[torch.Tensor] = None,
+        rotary_pos_sin: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[int] = None,
+        *,
+        inference_params=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[s, b, h] -> (output [s, b, h], output bias or None)."""
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("inference_context (KV-cache inference) is not supported by the native Attention.")
+        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        if rotary_pos_emb is not None:
+            q_pos_emb, k_pos_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            cu_q = cu_kv = None
+            if packed_seq_params is not None:
+                cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+            query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config, cu_seqlens=cu_q)
+            key = apply_rotary_pos_emb(key, k_pos_emb, config=self.config, cu_seqlens=cu_kv)
+        core_attn_out = self.core_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=self.attn_mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )
+        return self.linear_proj(core_attn_out)
+
+
+class SelfAttention(Attention):
+    """Self-attention: queries, keys and values all come from `hidden_states` through one projection."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        cp_comm_type: Optional[str] = None,
+        model_comm_pgs=None,
+    ):
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type="self",
+            cp_comm_type=cp_comm_type,
+            model_comm_pgs=model_comm_pgs,
+        )
+        self.linear_qkv = build_module(
+            submodules.linear_qkv,
+            config.hidden_size,
+            self.query_projection_size + 2 * self.kv_projection_size,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="qkv",
+            tp_group=self.tp_group,
+        )
+        self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
+        self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
+
+    def _build_qk_norm(self, spec):
+        if spec is None:
+            return None
+        return build_module(
+            spec, hidden_size=self.hidden_size_per_attention_head, config=self.config, eps=self.config.layernorm_epsilon
+        )
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
+        """Split the fused projection into per-head queries, keys and values (qk-norm applied per head)."""
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        hn = self.hidden_size_per_attention_head
+        group_shape = (self.num_query_groups_per_partition, (heads_per_group + 2) * hn)
+        mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:-1], *group_shape)  # [sq, b, ng*(np/ng+2)*hn] -> [sq, b, ng, (np/ng+2)*hn]
+        query, key, value = torch.split(mixed_qkv, [heads_per_group * hn, hn, hn], dim=-1)
+        query = query.reshape(query.size(0), query.size(1), -1, hn)  # [sq, b, ng, np/ng*hn] -> [sq, b, np, hn]
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value
+
+
+__all__ = ["Attention", "SelfAttention", "SelfAttentionSubmodules", "CrossAttentionSubmodules"]

@@ -1,0 +1,158 @@
+"""`DotProductAttention`: softmax(Q K^T * scale + mask) V through torch scaled_dot_product_attention.
+
+Inputs are [s, b, np, hn] (queries) and [s, b, ng, hn] (keys/values, ng query groups for GQA); the
+output is [sq, b, np * hn], this rank's slice of the hidden dimension. SDPA picks the fastest kernel
+available (flash / cuDNN / memory-efficient on GPU, fused math on CPU), so no Transformer Engine or
+Apex softmax is needed.
+
+Masks follow Megatron: a boolean tensor where True means "masked out". A causal layer with no explicit
+mask uses SDPA's built-in causal masking. Attention dropout runs inside the 'model-parallel-rng' fork,
+since each tensor-parallel rank holds different heads (with sequence parallelism the transformer block
+has already entered that fork, and forking twice would replay the same random stream).
+"""
+import inspect
+import math
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType, AttnType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import get_model_comm_pgs_tp, get_tp_world_size
+from megatron.core.utils import divide
+
+
+# SDPA backends tried in this order on CUDA. torch's own default prefers flash attention; on an H200
+# (torch 2.11, bf16, head dim 128, causal) cuDNN's kernel measured about twice as fast forward+backward
+# (docs/performance.md), so it goes first. A backend that cannot take the inputs (a mask it does not
+# support, grouped-query attention) is skipped by SDPA itself.
+_CUDA_SDPA_PRIORITY = (
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+_SDPA_SETS_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+def sdpa_backend_priority(query: torch.Tensor):
+    """Context choosing the SDPA backend order for `query`'s device (a no-op on CPU)."""
+    if not query.is_cuda or not _SDPA_SETS_PRIORITY:
+        return nullcontext()
+    return sdpa_kernel(list(_CUDA_SDPA_PRIORITY), set_priority=True)
+
+
+class DotProductAttention(MegatronModule):
+    """Core attention (no projections) over this rank's heads."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        model_comm_pgs=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size ({config.context_parallel_size}) > 1 is not supported by the native "
+                "DotProductAttention: use context_parallel_size=1."
+            )
+        if config.window_size is not None:
+            raise ValueError("window_size (sliding-window attention) is not supported by the native DotProductAttention.")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        world_size = get_tp_world_size(get_model_comm_pgs_tp(model_comm_pgs))
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, world_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        self.softmax_scale = softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_in_fp32 = config.apply_query_key_layer_scaling
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences (packed_seq_params) are not supported by the native DotProductAttention.")
+        attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        sq, b = query.shape[0], query.shape[1]
+        out_dtype = query.dtype
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, hn] -> [b, n, s, hn]
+        if self.softmax_in_fp32 and q.dtype != torch.float32:
+            q, k, v = q.float(), k.float(), v.float()
+        mask = self._sdpa_mask(attention_mask, attention_bias, attn_mask_type, q.dtype)
+        is_causal = mask is None and attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        dropout_p = self.dropout_p if self.training else 0.0
+        enable_gqa = q.shape[1] != k.shape[1]
+        # Under sequence parallelism the whole block already runs inside the model-parallel fork.
+        fork = dropout_p > 0.0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else nullcontext(), sdpa_backend_priority(q):
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                scale=self.softmax_scale, enable_gqa=enable_gqa,
+            )
+        context = context.to(out_dtype).permute(2, 0, 1, 3)  # [b, np, sq, hn] -> [sq, b, np, hn]
+        return context.reshape(sq, b, self.hidden_size_per_partition)  # [sq, b, np, hn] -> [sq, b, np*hn]
+
+    @staticmethod
+    def _sdpa_mask(attention_mask, attention_bias, attn_mask_type, dtype):
+        """Megatron's True-means-masked boolean mask (plus an optional additive bias) as an SDPA mask."""
+        if attn_mask_type == AttnMaskType.no_mask:
+            attention_mask = None
+        if attention_mask is None:
+            return attention_bias.to(dtype) if attention_bias is not None else None
+        allowed = ~attention_mask.bool()
+        if attention_bias is None:
+            return allowed
+        blocked = torch.zeros((), dtype=dtype, device=attention_bias.device).new_full((), float("-inf"))
+        return attention_bias.to(dtype).masked_fill(~allowed, blocked)
+
+
+
+
+class TECompatibleDotProductAttention(DotProductAttention):
+    """`DotProductAttention` that behaves like Transformer Engine's attention in Megatron's TE spec.
+
+    Like TE, a causal layer ignores the attention mask it is given (the dataloader's mask is the causal
+    mask anyway) and runs SDPA's causal kernel, which is also the fastest path. An (empty) `_extra_state`
+    entry makes state dicts carry exactly Megatron's TE keys.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if mask_type == AttnMaskType.causal:
+            attention_mask = None
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+
+    def get_extra_state(self):
+        """No extra state (the key exists for state-dict compatibility)."""
+        return None
+
+    def set_extra_state(self, state):
+        """Extra state from Transformer Engine checkpoints (fp8 metadata) is ignored."""
+
+
+__all__ = ["DotProductAttention", "TECompatibleDotProductAttention"]

@@ -1,0 +1,51 @@
+"""`torch.compile` of whole transformer layers, applied as a wrapper (the layer code does not change).
+
+Compiling a layer lets the compiler fuse what sits between the matmuls (norms, bias adds, RoPE, the
+activation, residual adds) into a few kernels, forward and backward. The tensor-parallel linears are
+custom autograd functions that the compiler traces as they are (their weight-gradient accumulation
+into `main_grad` included), so the numbers do not change beyond rounding.
+
+Switch: the environment variable `MEGATRON_COMPILE_LAYERS` = `1` (always), `0` (never) or `auto`
+(default: on when the layer's parameters live on a CUDA device and the measured win, recorded in
+docs/performance.md, holds; never on CPU). Compilation happens on the first forward pass; its time
+shows up in the first logged iterations only, which the benchmark excludes from steady-state numbers.
+"""
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Default of `auto` on CUDA (set from the H200 measurements in docs/performance.md).
+COMPILE_LAYERS_ON_CUDA_BY_DEFAULT = True
+# One compiled graph is shared by all layers of a model; allow enough re-specialisations for a model
+# whose layers differ (first/last layer, different shapes per pipeline stage).
+_MIN_CACHE_SIZE = 64
+
+
+def layer_compile_requested(module: torch.nn.Module) -> bool:
+    """Whether the layers of this block should be compiled (see the module docstring)."""
+    mode = os.environ.get("MEGATRON_COMPILE_LAYERS", "auto").strip().lower()
+    if mode in ("1", "true", "on"):
+        return True
+    if mode in ("0", "false", "off"):
+        return False
+    if mode != "auto":
+        raise ValueError(f"MEGATRON_COMPILE_LAYERS ({mode!r}) must be 1, 0 or auto.")
+    params = list(module.parameters())
+    return COMPILE_LAYERS_ON_CUDA_BY_DEFAULT and bool(params) and params[0].is_cuda
+
+
+def compile_forward(module: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:
+    """Replace `module.forward` by a compiled version of itself (parameters and state dict unchanged)."""
+    dynamo_config = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), _MIN_CACHE_SIZE))
+    module.forward = torch.compile(module.forward, backend=backend)
+    module.is_compiled = True
+    return module
+
+
+__all__ = ["layer_compile_requested", "compile_forward", "COMPILE_LAYERS_ON_CUDA_BY_DEFAULT"]

@@ -1,0 +1,1 @@
+"""Megatron's old `megatron.legacy.data` path, kept so user scripts importing it keep working."""

@@ -1,0 +1,196 @@
+"""Start a run: parse and validate the CLI, set globals, start torch.distributed, build the groups, seed.
+
+Environment (torchrun): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` are read here
+and nowhere else. A plain `python pretrain_gpt.py ...` without them runs as a world of one process
+(a 1-rank group on a free local port). The backend is nccl on a GPU and gloo on CPU; an explicit
+`--distributed-backend gloo` is honored on a GPU, and the CLI default `nccl` on a machine without a GPU
+becomes gloo with one info line.
+"""
+import logging
+import os
+import random
+import socket
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+from megatron.training import arguments as arguments_mod
+from megatron.training.checkpointing import load_args_from_checkpoint
+from megatron.training.global_vars import get_args, set_global_variables
+from megatron.training.log_handler import setup_logging
+from megatron.training.utils import print_rank_0
+
+logger = logging.getLogger(__name__)
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _set_launch_env(args):
+    """Fill rank/world_size/local_rank from the launcher's environment (torchrun) or a 1-process world."""
+    args.rank = _env_int("RANK", 0)
+    args.world_size = _env_int("WORLD_SIZE", 1)
+    args.local_rank = _env_int("LOCAL_RANK", getattr(args, "local_rank", 0) or 0)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        args.rank = torch.distributed.get_rank()
+        args.world_size = torch.distributed.get_world_size()
+
+
+def _parse_and_validate(extra_args_provider, args_defaults, ignore_unknown_args, parsed_args):
+    """parse -> (checkpoint args) -> validate; a bad command line exits 2 listing every problem."""
+    try:
+        args = parsed_args if parsed_args is not None else arguments_mod.parse_args(
+            extra_args_provider, ignore_unknown_args)
+        _set_launch_env(args)
+        if getattr(args, "use_checkpoint_args", False) or args_defaults.get("use_checkpoint_args", False):
+            if args.load is None:
+                raise arguments_mod.ArgumentsError(["--use-checkpoint-args needs --load <dir>: add --load."])
+            load_args_from_checkpoint(args)
+        args = arguments_mod.validate_args(args, args_defaults)
+    except arguments_mod.ArgumentsError as exc:
+        arguments_mod.exit_on_arguments_error(exc)
+    return args
+
+
+def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False, allow_no_cuda=False,
+                        skip_mpu_initialization=False, get_embedding_ranks=None, get_position_embedding_ranks=None,
+                        parsed_args=None, store=None):
+    """Set up everything a training script needs before building the model (Megatron's entry)."""
+    args = _parse_and_validate(extra_args_provider, args_defaults, ignore_unknown_args, parsed_args)
+    set_global_variables(args)
+    setup_logging(getattr(args, "logging_level", None))
+    initialize_rerun_state_machine(
+        mode=RerunMode(getattr(args, "rerun_mode", "disabled") or "disabled"),
+        result_rejected_tracker_filename=getattr(args, "result_rejected_tracker_filename", None),
+    )
+    if skip_mpu_initialization:
+        return None
+
+    def finish_mpu_init():
+        _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store)
+        if args.rank == 0:
+            print("> setting random seeds to {} ...".format(args.seed), flush=True)
+        _set_random_seed(args.seed, args.data_parallel_random_init,
+                         te_rng_tracker=getattr(args, "te_rng_tracker", False))
+
+    if getattr(args, "lazy_mpu_init", False):
+        args.use_cpu_initialization = True
+        return finish_mpu_init
+    finish_mpu_init()
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _choose_backend(args) -> str:
+    requested = args.distributed_backend
+    if torch.cuda.is_available():
+        return requested
+    if requested == "nccl":
+        if args.rank == 0:
+            print("INFO: no CUDA device is available, so torch.distributed uses the gloo backend "
+                  "(--distributed-backend nccl needs GPUs).", flush=True)
+        return "gloo"
+    return requested
+
+
+def _init_method(args):
+    """torchrun's env:// when MASTER_ADDR is set; a free local port for a single plain process."""
+    if os.environ.get("MASTER_ADDR"):
+        return "env://"
+    if args.world_size > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE is {args.world_size} but MASTER_ADDR/MASTER_PORT are not set: launch with torchrun "
+            f"(e.g. torchrun --nproc-per-node {args.world_size} pretrain_gpt.py ...)."
+        )
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store):
+    """Start torch.distributed (unless a test already did) and build the parallel groups."""
+    args = get_args()
+    device_count = torch.cuda.device_count()
+    if device_count > 0:
+        if args.local_rank >= device_count:
+            raise RuntimeError(f"LOCAL_RANK {args.local_rank} is not a valid device (this node has {device_count}).")
+        torch.cuda.set_device(args.local_rank)
+    if torch.distributed.is_initialized():
+        if args.rank == 0:
+            print("torch distributed is already initialized, skipping initialization ...", flush=True)
+        args.rank = torch.distributed.get_rank()
+        args.world_size = torch.distributed.get_world_size()
+    else:
+        if args.rank == 0:
+            print("> initializing torch distributed ...", flush=True)
+        kwargs = {
+            "backend": _choose_backend(args),
+            "world_size": args.world_size,
+            "rank": args.rank,
+            "timeout": timedelta(minutes=args.distributed_timeout_minutes),
+        }
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = _init_method(args)
+        if device_count > 0 and kwargs["backend"] == "nccl":
+            kwargs["device_id"] = torch.device(f"cuda:{args.local_rank}")
+        torch.distributed.init_process_group(**kwargs)
+    if mpu.model_parallel_is_initialized():
+        print_rank_0("model parallel is already initialized")
+        return
+    mpu.initialize_model_parallel(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+        args.pipeline_model_parallel_split_rank,
+        pipeline_model_parallel_comm_backend=getattr(args, "pipeline_model_parallel_comm_backend", None),
+        context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=getattr(args, "hierarchical_context_parallel_sizes", None),
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        nccl_communicator_config_path=getattr(args, "nccl_communicator_config_path", None),
+        order="tp-cp-ep-dp-pp" if not getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-pp-dp",
+        get_embedding_ranks=get_embedding_ranks,
+        get_position_embedding_ranks=get_position_embedding_ranks,
+        create_gloo_process_groups=getattr(args, "enable_gloo_process_groups", True),
+    )
+    if args.rank == 0:
+        print(f"> initialized tensor model parallel with size {mpu.get_tensor_model_parallel_world_size()}")
+        print(f"> initialized pipeline model parallel with size {mpu.get_pipeline_model_parallel_world_size()}",
+              flush=True)
+
+
+def _set_random_seed(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False,
+                     use_cudagraphable_rng=False):
+    """Seed python/numpy/torch with seed + 100*pp_rank (+ 10*dp_rank), then the TP RNG tracker."""
+    if seed_ is None or seed_ <= 0:
+        raise ValueError(f"--seed ({seed_}) must be a positive integer: pass e.g. --seed 1234.")
+    seed = seed_ + 100 * mpu.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed = seed + 10 * mpu.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if te_rng_tracker or inference_rng_tracker or use_cudagraphable_rng:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker, inference_rng_tracker,
+                                                        use_cudagraphable_rng)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def set_jit_fusion_options():
+    """Megatron warms up TorchScript fusions here; the fused ops here are plain PyTorch, so nothing to do."""
+    return None
+

@@ -1,0 +1,280 @@
+"""Helpers of the training framework: rank-aware printing, batches per TP/CP rank, norms, memory, progress.
+
+Everything here reads the global args (`get_args`) where Megatron's versions do, so user scripts written
+against `megatron.training.utils` keep working.
+"""
+import json
+import os
+import resource
+import sys
+from datetime import datetime
+
+import torch
+
+from megatron.core import parallel_state as mpu
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.utils import unwrap_model as _unwrap_model
+from megatron.training.global_vars import get_args
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def is_rank0() -> bool:
+    """True on global rank 0 (and when torch.distributed is not initialized)."""
+    return not _dist_ready() or torch.distributed.get_rank() == 0
+
+
+def is_last_rank() -> bool:
+    """True on the last global rank, where the training log line is printed."""
+    if not _dist_ready():
+        return True
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def print_rank_0(message) -> None:
+    """Print on global rank 0 only."""
+    if is_rank0():
+        print(message, flush=True)
+
+
+def print_rank_last(message) -> None:
+    """Print on the last global rank only."""
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def print_datetime(string: str) -> None:
+    """`[string] datetime: YYYY-mm-dd HH:MM:SS` on rank 0 (after a barrier, like Megatron)."""
+    if _dist_ready():
+        torch.distributed.barrier()
+    print_rank_0(f"[{string}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
+def unwrap_model(model, module_instances=None):
+    """Strip DDP / Float16Module / FSDP wrappers from a model or a list of model chunks."""
+    return _unwrap_model(model, module_instances)
+
+
+def _param_is_not_shared(param) -> bool:
+    return not getattr(param, "shared", False)
+
+
+def _param_is_not_tp_duplicate(param) -> bool:
+    return getattr(param, "tensor_model_parallel", False) or mpu.get_tensor_model_parallel_rank() == 0
+
+
+def calc_params_l2_norm(model, force_create_fp32_copy: bool = False) -> float:
+    """L2 norm of all parameters (fp32 master copies where they exist), summed over model-parallel ranks.
+
+    Shared parameters (the tied output layer) and TP-duplicated parameters are counted once.
+    """
+    chunks = model if isinstance(model, list) else [model]
+    total = torch.zeros(1, dtype=torch.float32, device=_device())
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if not (_param_is_not_shared(param) and _param_is_not_tp_duplicate(param)):
+                continue
+            main = getattr(param, "main_param", None)
+            data = main if main is not None and not force_create_fp32_copy else param.data
+            total += data.detach().float().pow(2).sum().to(total.device)
+    if _dist_ready():
+        torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())
+    return total.sqrt().item()
+
+
+def average_losses_across_data_parallel_group(losses):
+    """Mean of each loss over the data-parallel group (legacy helper kept for user scripts)."""
+    averaged = torch.cat([loss.clone().detach().view(1) for loss in losses])  # n x [] -> [n]
+    if _dist_ready():
+        torch.distributed.all_reduce(averaged, group=mpu.get_data_parallel_group())
+        averaged = averaged / torch.distributed.get_world_size(group=mpu.get_data_parallel_group())
+    return averaged
+
+
+def report_memory(name: str) -> None:
+    """Print `[Rank r] (name) memory (MB) | allocated: .. | ...` (CPU: the peak resident set size)."""
+    mega = 1024.0 * 1024.0
+    if torch.cuda.is_available():
+        string = name + " memory (MB)"
+        string += " | allocated: {}".format(torch.cuda.memory_allocated() / mega)
+        string += " | max allocated: {}".format(torch.cuda.max_memory_allocated() / mega)
+        string += " | reserved: {}".format(torch.cuda.memory_reserved() / mega)
+        string += " | max reserved: {}".format(torch.cuda.max_memory_reserved() / mega)
+    else:
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak_mb = peak_kb / 1024.0 if sys.platform != "darwin" else peak_kb / mega
+        string = name + " memory (MB) | max resident (cpu): {:.1f}".format(peak_mb)
+    if mpu.get_data_parallel_rank() == 0:
+        rank = torch.distributed.get_rank() if _dist_ready() else 0
+        print("[Rank {}] {}".format(rank, string), flush=True)
+
+
+def append_to_progress_log(string: str, barrier: bool = True) -> None:
+    """Append a tab-separated line to `<save>/progress.txt` (rank 0)."""
+    args = get_args()
+    if args.save is None:
+        return
+    if barrier and _dist_ready():
+        torch.distributed.barrier()
+    if is_rank0():
+        os.makedirs(args.save, exist_ok=True)
+        with open(os.path.join(args.save, "progress.txt"), "a") as f:
+            job_id = os.getenv("SLURM_JOB_ID", "")
+            stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+            f.write(f"{stamp}\tJob ID: {job_id}\t# GPUs: {args.world_size}\t{string}\n")
+
+
+def get_ltor_masks_and_position_ids(data, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss,
+                                    create_attention_mask: bool = True):
+    """Causal mask (True = masked), loss mask and position ids for a `[b, s]` batch of token ids."""
+    micro_batch_size, seq_length = data.size()
+    att_mask_batch = micro_batch_size if reset_attention_mask else 1
+    attention_mask = None
+    if create_attention_mask:
+        attention_mask = torch.tril(torch.ones((att_mask_batch, seq_length, seq_length), device=data.device))
+        attention_mask = attention_mask.view(att_mask_batch, 1, seq_length, seq_length)  # [b, s, s] -> [b, 1, s, s]
+    loss_mask = torch.ones(data.size(), dtype=torch.float, device=data.device)
+    if eod_mask_loss:
+        loss_mask[data == eod_token] = 0.0
+    position_ids = torch.arange(seq_length, dtype=torch.long, device=data.device)
+    position_ids = position_ids.unsqueeze(0).expand_as(data).clone()  # [s] -> [b, s]
+    if reset_position_ids or reset_attention_mask:
+        for b in range(micro_batch_size):
+            eod_index = position_ids[b, data[b] == eod_token]
+            prev_index = 0
+            for i in eod_index.tolist():
+                if reset_attention_mask and attention_mask is not None:
+                    attention_mask[b, 0, (i + 1):, : (i + 1)] = 0
+                if reset_position_ids:
+                    position_ids[b, (i + 1):] -= i + 1 - prev_index
+                    prev_index = i + 1
+    if attention_mask is not None:
+        attention_mask = attention_mask < 0.5
+    return attention_mask, loss_mask, position_ids
+
+
+def _broadcast(tensor):
+    if tensor is not None and mpu.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(
+            tensor, mpu.get_tensor_model_parallel_src_rank(), group=mpu.get_tensor_model_parallel_group()
+        )
+
+
+def is_first_or_last_pipeline_stage(vp_stage=None) -> bool:
+    """True on the first or last (virtual) pipeline stage: the stages that read data."""
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return True
+    ignore_virtual = mpu.get_virtual_pipeline_model_parallel_world_size() is None or vp_stage is None
+    return mpu.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage) or \
+        mpu.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+
+
+def _stage_keys(args):
+    """Which batch entries this pipeline stage needs (the rest are None)."""
+    mtp = getattr(args, "mtp_num_layers", None)
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return {"tokens", "labels", "loss_mask", "attention_mask", "position_ids"}
+    if mpu.is_pipeline_first_stage():
+        keys = {"tokens", "attention_mask", "position_ids"}
+    elif mpu.is_pipeline_last_stage():
+        keys = {"labels", "loss_mask", "attention_mask"} | ({"tokens", "position_ids"} if mtp else set())
+    else:
+        keys = set()
+    return keys
+
+
+def get_batch_on_this_tp_rank(data_iterator):
+    """TP rank 0 reads the next batch and broadcasts it over the TP group (§ TP batch broadcast).
+
+    The first stage gets tokens/attention_mask/position_ids, the last stage labels/loss_mask/
+    attention_mask; entries a stage does not need are None.
+    """
+    args = get_args()
+    device = _device()
+    keys = _stage_keys(args)
+    create_mask = getattr(args, "create_attention_mask_in_dataloader", True)
+    mbs, seq = args.micro_batch_size, args.seq_length
+    shapes = {
+        "tokens": ((mbs, seq), torch.int64),
+        "labels": ((mbs, seq), torch.int64),
+        "loss_mask": ((mbs, seq), torch.float32),
+        "attention_mask": ((mbs, 1, seq, seq), torch.bool),
+        "position_ids": ((mbs, seq), torch.int64),
+    }
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        data = next(data_iterator) if data_iterator is not None else None
+        if data is None:
+            raise RuntimeError("TP rank 0 has no data iterator but must read the batch for its TP group.")
+        batch = {}
+        for key in shapes:
+            value = data.get(key) if key != "attention_mask" or create_mask else None
+            batch[key] = value.to(device, non_blocking=True) if value is not None else None
+    else:
+        batch = {key: torch.empty(shape, dtype=dtype, device=device) for key, (shape, dtype) in shapes.items()}
+        if not create_mask:
+            batch["attention_mask"] = None
+    for key in shapes:
+        if key in keys:
+            _broadcast(batch[key])
+        else:
+            batch[key] = None
+    return batch
+
+
+def get_batch_on_this_cp_rank(batch):
+    """Keep this CP rank's two sequence chunks (`r` and `2CP-1-r`) of every batch entry."""
+    cp_size = mpu.get_context_parallel_world_size()
+    if cp_size == 1:
+        return batch
+    cp_rank = mpu.get_context_parallel_rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], dtype=torch.long)
+    for key, val in batch.items():
+        if val is None:
+            continue
+        seq_dim = 2 if key == "attention_mask" else 1
+        index = index.to(val.device)
+        val = val.view(  # [.., s, ..] -> [.., 2cp, s/2cp, ..]
+            *val.shape[:seq_dim], 2 * cp_size, val.shape[seq_dim] // (2 * cp_size), *val.shape[seq_dim + 1:]
+        )
+        val = val.index_select(seq_dim, index)
+        batch[key] = val.view(*val.shape[:seq_dim], -1, *val.shape[seq_dim + 2:])  # [.., 2, s/2cp, ..] -> [.., s/cp, ..]
+    return batch
+
+
+def get_blend_and_blend_per_split(args):
+    """(blend, blend_per_split) from --data-path / --data-args-path or the per-split flags."""
+    use_data_path = args.data_path is not None or getattr(args, "data_args_path", None) is not None
+    use_per_split = any(
+        getattr(args, name, None) is not None
+        for name in ("train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path")
+    )
+    blend, blend_per_split = None, None
+    if use_data_path:
+        if getattr(args, "data_args_path", None) is not None:
+            with open(args.data_args_path) as f:
+                blend = get_blend_from_list(f.read().split())
+        else:
+            blend = get_blend_from_list(args.data_path)
+    elif use_per_split:
+        if getattr(args, "per_split_data_args_path", None) is not None:
+            with open(args.per_split_data_args_path) as f:
+                per_split = json.load(f)
+            blend_per_split = [
+                get_blend_from_list(per_split[key].split() if isinstance(per_split[key], str) else per_split[key])
+                for key in ("train", "valid", "test")
+            ]
+        else:
+            blend_per_split = [
+                get_blend_from_list(args.train_data_path),
+                get_blend_from_list(args.valid_data_path),
+                get_blend_from_list(args.test_data_path),
+            ]
+    return blend, blend_per_split

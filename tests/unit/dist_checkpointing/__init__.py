@@ -1,0 +1,1 @@
+"""Tests of megatron.core.dist_checkpointing."""
