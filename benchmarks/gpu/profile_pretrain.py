@@ -20,12 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _writer(path):
     def on_trace_ready(prof):
-        averages = prof.key_averages()
+        sort = "self_device_time_total"
         with open(path, "w") as f:
-            f.write(averages.table(sort_by="self_cuda_time_total", row_limit=70, max_name_column_width=90))
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=70, max_name_column_width=90))
             f.write("\n\nby input shape\n")
             f.write(prof.key_averages(group_by_input_shape=True).table(
-                sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60, max_shapes_column_width=70))
+                sort_by=sort, row_limit=40, max_name_column_width=60, max_shapes_column_width=70))
         print(f"profile tables written to {path}", flush=True)
 
     return on_trace_ready

@@ -7,11 +7,12 @@ memory, plus the derived pipeline / data / tensor-parallel efficiencies. Single-
 one per GPU (CUDA_VISIBLE_DEVICES); multi-GPU jobs run under torchrun on all GPUs, one at a time.
 
   python benchmarks/gpu/run_bench.py --yardstick .bench/gpt_baseline.py --configs gpt1.3b llama1b gpt2.7b
-  python benchmarks/gpu/run_bench.py ... --configs gpt1.3b gpt1.3b:nocompile --extra-jobs attn profile
+  python benchmarks/gpu/run_bench.py ... --configs gpt1.3b gpt1.3b:nocompile --profile gpt1.3b --extra-jobs attn
 
 A config may carry a variant after a colon (`gpt1.3b:nocompile`): see VARIANTS.
 """
 import argparse
+import itertools
 import json
 import os
 import re
@@ -52,13 +53,13 @@ MODELS = {
 }
 # name -> (model, gpus, extra flags, global batch size, train iters, log interval)
 CONFIGS = {
-    "gpt1.3b": ("gpt1.3b", 1, "", 8, 25, 5),
-    "llama1b": ("llama1b", 1, "", 4, 25, 5),
-    "gpt2.7b": ("gpt2.7b", 1, "", 4, 20, 5),
-    "gpt1.3b-pp1-m8": ("gpt1.3b", 1, "", 64, 9, 3),
-    "gpt1.3b-dp2": ("gpt1.3b", 2, "--overlap-grad-reduce", 16, 25, 5),
-    "gpt1.3b-tp2-sp": ("gpt1.3b", 2, "--tensor-model-parallel-size 2 --sequence-parallel", 8, 25, 5),
-    "gpt1.3b-pp2-m8": ("gpt1.3b", 2, "--pipeline-model-parallel-size 2", 64, 9, 3),
+    "gpt1.3b": ("gpt1.3b", 1, "", 8, 20, 5),
+    "llama1b": ("llama1b", 1, "", 4, 20, 5),
+    "gpt2.7b": ("gpt2.7b", 1, "", 4, 15, 5),
+    "gpt1.3b-pp1-m8": ("gpt1.3b", 1, "", 64, 8, 2),
+    "gpt1.3b-dp2": ("gpt1.3b", 2, "--overlap-grad-reduce", 16, 20, 5),
+    "gpt1.3b-tp2-sp": ("gpt1.3b", 2, "--tensor-model-parallel-size 2 --sequence-parallel", 8, 20, 5),
+    "gpt1.3b-pp2-m8": ("gpt1.3b", 2, "--pipeline-model-parallel-size 2", 64, 8, 2),
     "tiny": ("tiny", 1, "", 4, 6, 2),
     "tiny-pp2": ("tiny", 2, "--pipeline-model-parallel-size 2", 8, 6, 2),
 }
@@ -73,6 +74,7 @@ TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 LOSS_RE = re.compile(r"lm loss: ([0-9.E+-]+)")
 MEM_RE = re.compile(r"max allocated: ([0-9.]+)")
+_PORTS = itertools.count(29511)
 KEEP_RE = re.compile(r"iteration|memory|Error|error|Traceback|warn|File \"|TFLOP|compile", re.IGNORECASE)
 
 
@@ -88,8 +90,8 @@ class Job:
     def launch(self, devices, log_dir):
         self.devices = devices
         self.log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", self.name) + ".log")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-                   CUDA_VISIBLE_DEVICES=",".join(str(d) for d in devices), **self.env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES=",".join(str(d) for d in devices))
+        env.update(self.env)
         self.start = time.time()
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=open(self.log_path, "w"),
                                      stderr=subprocess.STDOUT)
@@ -109,22 +111,28 @@ def ours_job(config, iters_override=None, profile_out=None):
     name, _, variant = config.partition(":")
     model, gpus, flags, gbs, iters, interval = CONFIGS[name]
     iters = iters_override or iters
-    args = f"{MODELS[model][0]} {COMMON} {flags} --global-batch-size {gbs} --train-iters {iters} --log-interval {interval}"
     script = [os.path.join(ROOT, "pretrain_gpt.py")]
+    profile = ""
     if profile_out:
-        start = iters - 3
-        args += f" --profile --use-pytorch-profiler --profile-step-start {start} --profile-step-end {start + 2}"
+        # Two profiled iterations after the last logged one, so the logged numbers stay unaffected.
+        profile = f" --profile --use-pytorch-profiler --profile-step-start {iters + 1} --profile-step-end {iters + 3}"
         script = [os.path.join(ROOT, "benchmarks", "gpu", "profile_pretrain.py"), "--profile-out", profile_out, "--"]
+        iters += 3
+    args = f"{MODELS[model][0]} {COMMON} {flags} --global-batch-size {gbs} --train-iters {iters} --log-interval {interval}"
+    args += profile
     launcher = [sys.executable]
     if gpus > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--master-port", "29511"]
+        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--master-port", str(next(_PORTS))]
     cmd = launcher + script + args.split()
-    job = Job(config + (":profile" if profile_out else ""), cmd, gpus, VARIANTS[variant], kind="ours")
+    env = dict(VARIANTS[variant])
+    if "--tensor-model-parallel-size" in flags:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's setting for TP/SP communication ordering
+    job = Job(config, cmd, gpus, env, kind="ours")
     job.interval = interval
     return job
 
 
-def yardstick_job(path, model, steps=15):
+def yardstick_job(path, model, steps=12):
     return Job(f"yardstick:{model}", [sys.executable, path, "--compile", "--steps", str(steps)]
                + MODELS[model][1].split(), 1, kind="yard")
 
@@ -197,29 +205,28 @@ def trimmed(text, keep_tail=40):
 
 
 def build_jobs(args):
-    jobs = []
-    for config in args.configs:
-        jobs.append(ours_job(config))
+    """Single-GPU jobs first (two at a time), then multi-GPU jobs, then the `--late` configs and tests."""
+    single, multi, late = [], [], []
+    for config in args.configs + args.late:
+        profile_out = os.path.join(args.out, f"profile_{config.replace(':', '_')}.txt") if config in args.profile else None
+        job = ours_job(config, profile_out=profile_out)
+        (late if config in args.late else single if job.gpus == 1 else multi).append(job)
         model = CONFIGS[config.partition(":")[0]][0]
-        if args.yardstick and f"yardstick:{model}" not in [j.name for j in jobs]:
-            jobs.append(yardstick_job(args.yardstick, model))
+        if args.yardstick and f"yardstick:{model}" not in [j.name for j in single + late]:
+            (late if config in args.late else single).append(yardstick_job(args.yardstick, model))
     for extra in args.extra_jobs:
         if extra == "attn":
-            jobs.append(Job("attn_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/attn_bench.py")], 1))
+            single.append(Job("attn_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/attn_bench.py")], 1))
         elif extra == "gputests":
-            jobs.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            late.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                           "tests/unit/fusions", "tests/unit/models/test_models_gpu.py"], 1))
-        elif extra.startswith("profile"):
-            config = extra.partition("=")[2] or "gpt1.3b"
-            jobs.append(ours_job(config, profile_out=os.path.join(args.out, f"profile_{config.replace(':', '_')}.txt")))
-    # Single-GPU jobs first (they run two at a time), multi-GPU jobs after.
-    return sorted(jobs, key=lambda job: job.gpus)
+    return single + multi + late
 
 
 def report(jobs, args):
     results = {}
     for job in jobs:
-        if job.kind == "ours" and not job.name.endswith(":profile"):
+        if job.kind == "ours":
             model = CONFIGS[job.name.partition(":")[0]][0]
             results[job.name] = {"ours": parse_ours(job) if job.proc else {}, "model": model}
         elif job.kind == "yard" and job.proc:
@@ -248,7 +255,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--yardstick", default=None, help="path of a copy of gpt_baseline.py (omit: no yardstick)")
     parser.add_argument("--configs", nargs="*", default=["gpt1.3b"])
-    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, profile[=CONFIG]")
+    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests")
+    parser.add_argument("--late", nargs="*", default=[], help="configs to run after all the others")
+    parser.add_argument("--profile", nargs="*", default=[], help="configs whose run also writes a profile table")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     parser.add_argument("--budget-s", type=float, default=540, help="kill what still runs after this long")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -45,6 +45,7 @@ from megatron.training.utils import is_last_rank, print_rank_0, unwrap_model
 
 _CHECKPOINT_VERSION = None
 _TRACKER_NAME = "latest_checkpointed_iteration.txt"
+_NON_PERSISTENT_SUBDIR = "non_persistent"
 
 
 def set_checkpoint_version(value):
@@ -169,8 +170,10 @@ def _np_state_to_plain(state):
 
 
 def _np_state_from_plain(state):
+    """Ours stores the key array as a tensor; Megatron-LM's checkpoints hold numpy's own tuple."""
     name, keys, pos, has_gauss, cached = state
-    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    keys = keys.numpy() if torch.is_tensor(keys) else np.asarray(keys)
+    return (name, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached))
 
 
 def _local_rng_state():
@@ -277,6 +280,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     model = model if isinstance(model, list) else [model]
     save_dir = args.save
     ckpt_format = "torch_dist" if args.ckpt_format == "torch_dist" else "torch"
+    if non_persistent_ckpt:
+        save_dir, ckpt_format = non_persistent_dir(args, args.save), "torch_dist"
+        if _rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
     maybe_finalize_async_save(blocking=False)
     print_rank_0("saving checkpoint at iteration {:7d} to {} in {} format".format(iteration, save_dir, ckpt_format))
     tmp_dir = _temp_dir(save_dir, iteration)
@@ -286,7 +293,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     _barrier()
     if ckpt_format == "torch_dist":
         _save_torch_dist(args, iteration, model, optimizer, opt_param_scheduler,
-                         num_floating_point_operations_so_far, save_dir)
+                         num_floating_point_operations_so_far, save_dir, non_persistent_ckpt)
         return
     rng_state = get_rng_state()
     name_args = dict(pipeline_parallel=pipeline_parallel, tensor_rank=tensor_rank, pipeline_rank=pipeline_rank,
@@ -322,22 +329,24 @@ def _publish_and_report(save_dir, iteration, checkpoint_name):
     _barrier()
 
 
-def _save_torch_dist(args, iteration, model, optimizer, opt_param_scheduler, num_flops, save_dir):
-    """Sharded save into the temp dir; publishing (rename + tracker) runs once the data is durable."""
+def _save_torch_dist(args, iteration, model, optimizer, opt_param_scheduler, num_flops, save_dir,
+                     non_persistent=False):
+    """Sharded save into the temp dir; publishing (rename + tracker) runs once the data is durable.
+    A non-persistent save then removes the older non-persistent iterations."""
     rng_state = None if args.no_save_rng else get_rng_state("torch_dist")
     state_dict = generate_sharded_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
                                              iteration=iteration, include_optimizer=not args.no_save_optim,
-                                             num_flops=num_floating_point_operations_or_zero(num_flops))
+                                             num_flops=float(num_flops or 0.0))
     final_dir = get_checkpoint_name(save_dir, iteration, return_base_dir=True)
-    save_sharded(args, state_dict, _temp_dir(save_dir, iteration),
-                 lambda: _publish_and_report(save_dir, iteration, final_dir))
+
+    def publish():
+        _publish_and_report(save_dir, iteration, final_dir)
+        if non_persistent and _rank() == 0:
+            _remove_older_iterations(save_dir, iteration)
+
+    save_sharded(args, state_dict, _temp_dir(save_dir, iteration), publish)
     if args.async_save:
         print_rank_0(f"  scheduled asynchronous save of iteration {iteration}; training continues")
-
-
-def num_floating_point_operations_or_zero(value):
-    """FLOPs so far as a float (None counts as 0)."""
-    return float(value or 0.0)
 
 
 def _load_file(path):
@@ -368,6 +377,9 @@ def _resolve_load_dir(args, load_arg):
         return None, None, False
     if args.ckpt_step is not None:
         return load_dir, args.ckpt_step, False
+    newer = _newer_non_persistent(args, load_dir)
+    if newer is not None:
+        return newer
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
         if args.exit_on_missing_checkpoint:
@@ -382,6 +394,34 @@ def _resolve_load_dir(args, load_arg):
     return load_dir, iteration, release
 
 
+def non_persistent_dir(args, save_dir):
+    """Where global non-persistent checkpoints go: --non-persistent-global-ckpt-dir or <save>/non_persistent."""
+    return getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(save_dir, _NON_PERSISTENT_SUBDIR)
+
+
+def _newer_non_persistent(args, load_dir):
+    """(dir, iteration, False) of a global non-persistent checkpoint newer than the persistent one, else None."""
+    np_dir = non_persistent_dir(args, load_dir)
+    np_tracker = get_checkpoint_tracker_filename(np_dir)
+    if not os.path.isfile(np_tracker):
+        return None
+    np_iteration, _ = read_metadata(np_tracker)
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    persistent = read_metadata(tracker)[0] if os.path.isfile(tracker) else -1
+    if np_iteration <= persistent:
+        return None
+    print_rank_0(f" the non-persistent checkpoint {np_dir} (iteration {np_iteration}) is newer than the "
+                 f"persistent one; loading it")
+    return np_dir, np_iteration, False
+
+
+def _remove_older_iterations(save_dir, iteration):
+    """Rank 0: keep only the newest non-persistent checkpoint."""
+    for name in os.listdir(save_dir):
+        if name.startswith("iter_") and name != _iteration_dir_name(iteration):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
 def _load_base_checkpoint(load_dir, args, iteration, release):
     """Read this rank's legacy file."""
     checkpoint_name = get_checkpoint_name(load_dir, iteration, release)
@@ -392,6 +432,10 @@ def _load_base_checkpoint(load_dir, args, iteration, release):
 def _detect_format(args, base_dir):
     """The format of `base_dir` (spec §4c "Load"); names the directory when it holds no checkpoint."""
     ckpt_format = get_checkpoint_format(base_dir)
+    if ckpt_format is None and os.path.isfile(os.path.join(base_dir, "common.pt")):
+        raise FileNotFoundError(
+            f"{base_dir} is not a complete checkpoint: its metadata.json is missing (the torch_dist save was "
+            f"interrupted or the file was removed); load an earlier iteration with --ckpt-step N.")
     if ckpt_format is None:
         raise FileNotFoundError(
             f"{base_dir} is not a checkpoint: it has no metadata.json (torch_dist, maybe an interrupted save), "
@@ -434,7 +478,8 @@ def check_checkpoint_args(checkpoint_args, compare_parallel_sizes=True):
     if problems:
         raise ValueError(
             "the checkpoint does not match the command line (legacy torch checkpoints need the same model shape "
-            "and TP/PP sizes; torch_dist checkpoints the same model shape):\n  " + "\n  ".join(problems) + "\nuse the checkpoint's values on the command line."
+            "and TP/PP sizes; torch_dist checkpoints the same model shape):\n  " + "\n  ".join(problems)
+            + "\nuse the checkpoint's values on the command line."
         )
 
 

@@ -41,7 +41,7 @@ def get_checkpoint_format(checkpoint_dir: str) -> Optional[str]:
     entries = os.listdir(checkpoint_dir)
     if any(name.startswith("mp_rank_0") for name in entries):
         return "torch"
-    if ".metadata" in entries:
+    if ".metadata" in entries and "common.pt" not in entries:
         return "torch_dcp"
     return None
 
@@ -161,6 +161,10 @@ def load_sharded(args, model, optimizer, opt_param_scheduler, checkpoint_dir: st
                                                mpu.get_pipeline_model_parallel_world_size())
     if load_rng and not same_layout:
         print_rank_0(f"  the checkpoint was saved with TP/PP {checkpoint_tp_pp(common)}; not loading the RNG state")
+        load_rng = False
+    stored = dist_checkpointing.load_sharded_metadata(checkpoint_dir) if load_rng else {}
+    if load_rng and not any(key.startswith("rng_state/") for key in stored):
+        print_rank_0(f"  {checkpoint_dir} has no RNG state (saved with --no-save-rng); not loading it")
         load_rng = False
     if load_optim and "optimizer" not in common:
         raise RuntimeError(f"checkpoint {checkpoint_dir} has no optimizer state: pass --no-load-optim or --finetune "

@@ -363,6 +363,8 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         save_checkpoint_and_time(*save_args, train_data_iterator=train_data_iterator)
         saved = True
+    elif args.save and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+        save_checkpoint_and_time(*save_args, non_persistent_ckpt=True, train_data_iterator=train_data_iterator)
     if args.exit_duration_in_mins:
         train_time = (time.time() - global_vars.get_train_start()[0]) / 60.0
         if _max_across_ranks(train_time > args.exit_duration_in_mins):

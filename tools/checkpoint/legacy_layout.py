@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
+from tools.checkpoint.dist_layout import is_dist_checkpoint, read_dist_checkpoint
 from tools.checkpoint.model_description import ModelDescription
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -90,8 +91,13 @@ def _renumber(stage_sd: Dict[str, Any], offset: int) -> Tuple[Dict[str, Any], in
 
 
 def read_legacy_checkpoint(load_dir: str, desc_from_args) -> Tuple[Dict[str, Any], Any, Optional[int], ModelDescription]:
-    """(full model state dict, checkpoint args, iteration (None: release), ModelDescription)."""
+    """(full model state dict, checkpoint args, iteration (None: release), ModelDescription).
+
+    A torch_dist iteration directory (metadata.json) is read through `dist_layout` instead."""
     iter_name, iteration = read_tracker(load_dir)
+    if is_dist_checkpoint(os.path.join(load_dir, iter_name)):
+        full, args, _, desc = read_dist_checkpoint(os.path.join(load_dir, iter_name), desc_from_args)
+        return full, args, iteration, desc
     files = _rank_dirs(os.path.join(load_dir, iter_name))
     tp = max(t for t, _ in files) + 1
     pp = max(p for _, p in files) + 1

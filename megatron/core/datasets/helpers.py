@@ -141,10 +141,15 @@ def build_exhaustive_blending_indices(
 
 def _running_counts(choices: numpy.ndarray, num_datasets: int) -> numpy.ndarray:
     """For each position, how many earlier positions chose the same dataset."""
+    within = numpy.empty(len(choices), dtype=numpy.int64)
+    if num_datasets <= 16:
+        for d in range(num_datasets):
+            mask = choices == d
+            within[mask] = numpy.arange(numpy.count_nonzero(mask), dtype=numpy.int64)
+        return within
     order = numpy.argsort(choices, kind="stable")
     first = numpy.zeros(num_datasets + 1, dtype=numpy.int64)
     numpy.cumsum(numpy.bincount(choices, minlength=num_datasets), out=first[1:])
-    within = numpy.empty(len(choices), dtype=numpy.int64)
     within[order] = numpy.arange(len(choices), dtype=numpy.int64) - first[choices[order]]
     return within
 
@@ -211,8 +216,9 @@ class _GreedyBlend:
             if failures or period > pos:
                 period = self._closest_period(out, pos, periods[:usable])
             b = min(block, size - pos, max(_MAX_BLOCK // self.num, _MIN_RUN))
-            # Step pos + j is proposed to repeat step pos + j - period (numpy.resize repeats cyclically).
-            accepted = self._speculate(out, pos, numpy.resize(out[pos - period : pos], b))
+            # Step pos + j is proposed to repeat step pos + j - period.
+            proposal = numpy.tile(out[pos - period : pos], -(-b // period))[:b]
+            accepted = self._speculate(out, pos, proposal)
             pos += accepted
             if accepted == b:
                 block, failures = block * 2, 0

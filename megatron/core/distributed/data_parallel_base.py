@@ -37,7 +37,7 @@ class _BaseDataParallel(torch.nn.Module):
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
         """Launch the parameter all-gathers (no-op by default)."""
 
-    def scale_gradients(self, scaling_factor: float) -> None:
+    def scale_gradients(self, scaling_factor) -> None:
         """Multiply all gradients by `scaling_factor` (no-op by default)."""
 
     def zero_grad_buffer(self):

@@ -288,7 +288,7 @@ class DistributedDataParallel(_BaseDataParallel):
         for bucket_group in self._all_bucket_groups:
             bucket_group.finish_grad_sync()
 
-    def scale_gradients(self, scaling_factor: float):
+    def scale_gradients(self, scaling_factor):
         """Multiply every gradient in the buffers by `scaling_factor`."""
         for buffer in self.buffers + self.expert_parallel_buffers:
             buffer.scale_gradients(scaling_factor)

@@ -212,10 +212,11 @@ def _normalize_by_num_tokens(model: List[torch.nn.Module], num_tokens: torch.Ten
         last_rank = dist.get_global_rank(groups.pp, groups.pp.size() - 1)
         dist.broadcast(num_tokens, src=last_rank, group=groups.pp)
     dist.all_reduce(num_tokens, group=groups.dp_cp)
-    total = float(num_tokens.item())
-    if total > 0:
-        for model_chunk in model:
-            model_chunk.scale_gradients(1.0 / total)
+    # Kept on the device (no host sync): grads are left unscaled when no token counted.
+    total = num_tokens.to(torch.float32)
+    scale = torch.where(total > 0, 1.0 / total.clamp(min=1.0), torch.ones_like(total))
+    for model_chunk in model:
+        model_chunk.scale_gradients(scale)
 
 
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None, pg_collection=None):

@@ -425,7 +425,7 @@ class _ParamAndGradBuffer:
             for param in bucket.params_list:
                 self.param_to_bucket[param] = bucket
 
-    def scale_gradients(self, scaling_factor: float):
+    def scale_gradients(self, scaling_factor):
         """Multiply every gradient in the buffer by `scaling_factor`."""
         self.grad_data.mul_(scaling_factor)
 

@@ -124,8 +124,10 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         if self._undo_average_factor != 1.0:
             self.scale_gradients(self._undo_average_factor)
 
-    def scale_gradients(self, scaling_factor: float):
-        """Multiply every (sharded) gradient by `scaling_factor`."""
+    def scale_gradients(self, scaling_factor):
+        """Multiply every (sharded) gradient by `scaling_factor` (a number or a 0-dim tensor)."""
+        if isinstance(scaling_factor, torch.Tensor):
+            scaling_factor = float(scaling_factor)
         for param in self.module.parameters():
             if param.grad is not None:
                 param.grad.mul_(scaling_factor)

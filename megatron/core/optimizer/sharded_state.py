@@ -13,6 +13,7 @@ torch_dist backend stores it as a plain DCP chunk and any other layout reads it 
 The boxes are views of the optimizer's own tensors, so a load fills the state in place.
 """
 import copy
+import inspect
 import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -137,15 +138,22 @@ def ensure_state(optimizer: torch.optim.Optimizer, init_state_fn, config) -> Non
     """Create empty state (zeros, step 0) for every param without state, so that a load can fill it in place."""
     if optimizer is None:
         return
-    if init_state_fn is not None:
-        init_state_fn(optimizer, config)
+    if init_state_fn is not None and len(optimizer.state) == 0:
+        # Megatron's init functions take (optimizer, config); its default placeholder takes (optimizer).
+        takes_config = len(inspect.signature(init_state_fn).parameters) >= 2
+        init_state_fn(*((optimizer, config) if takes_config else (optimizer,)))
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state[param]
-            if len(state) == 0 and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            if len(state) != 0:
+                continue
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(param.data)
                 state["exp_avg_sq"] = torch.zeros_like(param.data)
+            elif isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) and not group.get("dampening"):
+                # A zero buffer gives the same first step as torch's lazy `clone(grad)` when dampening is 0.
+                state["momentum_buffer"] = torch.zeros_like(param.data)
 
 
 def state_tensors(optimizer: torch.optim.Optimizer, main_param: torch.Tensor) -> Dict[str, torch.Tensor]:

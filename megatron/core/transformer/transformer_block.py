@@ -3,7 +3,8 @@
 Layer placement (`get_num_layers_to_build`, `get_transformer_layer_offset`) supports even splits,
 virtual pipeline stages, uneven first/last stages, embedding/loss accounting and explicit layouts.
 Full activation recompute wraps whole layers ('uniform': chunks of `recompute_num_layers` layers;
-'block': the first `recompute_num_layers` layers of the stage).
+'block': the first `recompute_num_layers` layers of the stage). On CUDA the layers are compiled with
+`torch.compile` (a wrapper, see `layer_compile.py`; switch: MEGATRON_COMPILE_LAYERS).
 """
 from contextlib import nullcontext
 from dataclasses import dataclass, field

@@ -392,6 +392,11 @@ def _validate_checkpointing(args) -> List[str]:
         problems.append(
             f"--ckpt-convert-format ({args.ckpt_convert_format}) needs --ckpt-convert-save: give the output directory."
         )
+    if args.async_save and args.ckpt_format != "torch_dist":
+        problems.append(
+            f"--async-save needs --ckpt-format torch_dist (got --ckpt-format {args.ckpt_format}): "
+            "drop --async-save or use the torch_dist format."
+        )
     return problems
 
 

@@ -18,7 +18,7 @@ from tests.functional.cli import reset_training_state, run_pretrain_in_process
 BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
     "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
-    "--vocab-size 4096 --log-interval 10 --eval-iters 0 --transformer-impl local --seed 7"
+    "--vocab-size 4096 --log-interval 10 --eval-iters 0 --transformer-impl local --seed 7 --ckpt-format torch"
 ).split()
 MICROBATCHES_PER_ITER = 2
 
@@ -63,7 +63,6 @@ def test_resume_crash_damage_and_load_flags(tmp_path, monkeypatch, capsys):
     assert part2 == full[20 * MICROBATCHES_PER_ITER:], "resumed losses 21..40 differ from the uninterrupted run"
     assert get_args().consumed_train_samples == 40 * 4
     out = capsys.readouterr().out
-    assert "--ckpt-format torch_dist is not implemented yet" in out
     assert "successfully loaded checkpoint from" in out and "at iteration 20" in out
 
     tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
@@ -99,7 +98,7 @@ def test_resume_crash_damage_and_load_flags(tmp_path, monkeypatch, capsys):
     with pytest.raises(RuntimeError, match="model_optim_rng.pt is corrupt"):
         _run("--train-iters", "40", "--load", save)
     shutil.rmtree(os.path.join(save, "iter_0000040", "mp_rank_00"))
-    with pytest.raises(FileNotFoundError, match="iter_0000040/mp_rank_00/model_optim_rng.pt is missing"):
+    with pytest.raises(FileNotFoundError, match="iter_0000040 is not a checkpoint: it has no metadata.json"):
         _run("--train-iters", "40", "--load", save)
     with pytest.raises(ValueError, match="--num-layers is 3 but the checkpoint was saved with 2"):
         _run("--train-iters", "20", "--load", save, "--ckpt-step", "20", "--num-layers", "3")

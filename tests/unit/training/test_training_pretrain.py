@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core import dist_checkpointing
 from megatron.core.optimizer import Float16OptimizerWithFloat16Params
 from megatron.training import training
 from megatron.training.global_vars import get_args
@@ -90,9 +91,16 @@ def test_bf16_fp32_master_weights_and_sigterm_checkpoint(tmp_path, monkeypatch, 
     assert [int(m["iteration"]) for m in lines] == [1, 2, 3] and all(m["loss_scale"] == "1.0" for m in lines)
     assert "exiting program after receiving SIGTERM." in out
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "3"
-    state = torch.load(os.path.join(save, "iter_0000003", "mp_rank_00", "model_optim_rng.pt"), weights_only=True)
-    assert state["args"]["bf16"] is True and state["args"]["params_dtype"] == "torch.bfloat16"
-    assert all(v.dtype == torch.bfloat16 for k, v in state["model"].items() if k.endswith("weight"))
+    ckpt_dir = os.path.join(save, "iter_0000003")  # the default --ckpt-format torch_dist
+    assert dist_checkpointing.check_is_distributed_checkpoint(ckpt_dir)
+    args = dist_checkpointing.load_common_state_dict(ckpt_dir)["args"]
+    args = args if isinstance(args, dict) else vars(args)
+    assert args["bf16"] is True and str(args["params_dtype"]) == "torch.bfloat16"
+    tensors = dist_checkpointing.load_tensors_metadata(ckpt_dir)
+    weights = {k: v for k, v in tensors.items() if k.endswith(".weight") and not k.startswith("optimizer.")}
+    assert weights and all(v.dtype == torch.bfloat16 for v in weights.values()), weights
+    masters = {k: v for k, v in tensors.items() if k.startswith("optimizer.state.fp32_param.")}
+    assert masters and all(v.dtype == torch.float32 for v in masters.values())
     assert signal.getsignal(signal.SIGTERM) is not None
 
 

@@ -43,7 +43,12 @@ class LanguageModule(MegatronModule):
             os.environ.setdefault(name, value)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy: labels [b, s], logits [s, b, V/TP] -> loss [b, s]."""
+        """Per-token cross entropy: labels [b, s], logits [s, b, V/TP] -> loss [b, s].
+
+        Always the memory-lean fused cross-entropy (fp32 math in chunks, no full fp32 copy of the logits;
+        see `fusions/fused_cross_entropy.py`), whatever `cross_entropy_loss_fusion` or
+        `fp16_lm_cross_entropy` say: it computes the same fp32 value as Megatron's unfused path.
+        """
         labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
         tp_group = getattr(self.model_comm_pgs, "tp", None) if self.model_comm_pgs is not None else None
         loss = fused_vocab_parallel_cross_entropy(logits, labels, tp_group=tp_group)
