@@ -4,6 +4,7 @@
 `DummyTimer`, so call sites never branch on the level. On a GPU, start/stop synchronise the device so
 that the measured time covers the queued kernels; on CPU there is nothing to synchronise.
 """
+import sys
 import time
 from abc import ABC, abstractmethod
 from typing import Dict, List, Optional
@@ -229,7 +230,9 @@ class Timers:
             rank = torch.distributed.get_world_size() - 1 if _dist_ready() else 0
         my_rank = torch.distributed.get_rank() if _dist_ready() else 0
         if out is not None and rank == my_rank:
-            print(out, flush=True)
+            # One write for the whole block, so output of other ranks sharing the stream never splits it.
+            sys.stdout.write(out + "\n")
+            sys.stdout.flush()
 
     def write(self, names: List[str], writer, iteration: int, normalizer: float = 1.0,
               reset: bool = False, barrier: bool = False):

@@ -3,9 +3,15 @@
 Loss reporting follows Megatron exactly: each microbatch's loss dict carries `[loss_sum, num_tokens]`;
 the per-iteration value is Σloss / Σtokens over the whole global batch (summed over microbatches, then
 all-reduced over DP×CP). Values stay on the device; the training log reads them at log intervals only.
+
+Host synchronisation note: nothing here reads a device value back to the host. The grad norm and the
+zero count come back from `optimizer.step()` as 0-dim device tensors and are MAX-reduced over the
+model-parallel group on the device (`stat_to_host` turns them into numbers at log time). The
+"did every model-parallel rank update" AND needs the host (it decides the LR-scheduler step), so it
+runs only when the optimizer has a grad scaler; without one every rank always updates.
 """
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -29,10 +35,11 @@ class TrainStepResult:
     """The rerun state machine asks the run to stop."""
     exit_code: int = 0
     """Exit code to use when `should_exit`."""
-    grad_norm: Optional[float] = None
-    """Pre-clip global gradient L2 norm (MAX over the model-parallel group); None on skipped steps."""
-    num_zeros_in_grad: Optional[int] = None
-    """Number of zero gradient entries (only with --log-num-zeros-in-grad)."""
+    grad_norm: Optional[Union[float, torch.Tensor]] = None
+    """Pre-clip global gradient L2 norm (MAX over the model-parallel group), usually a 0-dim device tensor
+    (read it with `stat_to_host`); None on skipped steps."""
+    num_zeros_in_grad: Optional[Union[int, torch.Tensor]] = None
+    """Number of zero gradient entries (only with --log-num-zeros-in-grad), read with `stat_to_host`."""
 
     def __iter__(self):
         """Unpack like Megatron's tuple: (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code,
@@ -47,14 +54,45 @@ def _collective_device():
     return torch.device("cpu")
 
 
-def reduce_max_stat_across_model_parallel_group(stat: Optional[float]) -> Optional[float]:
-    """MAX of a scalar over the model-parallel group; None on every rank if it is None on all of them."""
+_ABSENT_STAT = -1.0
+
+
+def reduce_max_stat_across_model_parallel_group(stat):
+    """MAX of a scalar over the model-parallel group; None on every rank if it is None on all of them.
+
+    A Python number is reduced through the host (Megatron's behaviour, one sync). A tensor stays on
+    the device: the result is a 0-dim fp32 tensor in which -1.0 stands for "None on every rank";
+    `stat_to_host` decodes it when the value is logged.
+    """
     if mpu.get_model_parallel_world_size() == 1:
         return stat
-    value = torch.tensor([-1.0 if stat is None else float(stat)], dtype=torch.float32, device=_collective_device())
+    if isinstance(stat, torch.Tensor):
+        value = stat.detach().to(device=_collective_device(), dtype=torch.float32, copy=True).reshape(1)  # [] -> [1]
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+        return value[0]
+    value = torch.tensor([_ABSENT_STAT if stat is None else float(stat)], dtype=torch.float32,
+                         device=_collective_device())
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mpu.get_model_parallel_group())
     result = value.item()
-    return None if result == -1.0 else result
+    return None if result == _ABSENT_STAT else result
+
+
+def stat_to_host(stat) -> Optional[float]:
+    """A step statistic as a Python number (one host sync for a device tensor); None when absent."""
+    if stat is None:
+        return None
+    if isinstance(stat, torch.Tensor):
+        stat = stat.item()
+    return None if stat == _ABSENT_STAT else stat
+
+
+def optimizer_can_skip_step(optimizer) -> bool:
+    """True when `optimizer.step()` may report an unsuccessful update: only a grad scaler's inf/nan check
+    skips steps. Every rank builds its optimizer from the same config, so the answer is rank-consistent."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return any(optimizer_can_skip_step(opt) for opt in chained)
+    return getattr(optimizer, "grad_scaler", None) is not None
 
 
 def logical_and_across_model_parallel_group(value: bool) -> bool:
@@ -121,7 +159,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer").stop()
-    update_successful = logical_and_across_model_parallel_group(update_successful)
+    if optimizer_can_skip_step(optimizer):
+        update_successful = logical_and_across_model_parallel_group(update_successful)
     grad_norm = reduce_max_stat_across_model_parallel_group(grad_norm)
     if args.log_num_zeros_in_grad:
         num_zeros_in_grad = reduce_max_stat_across_model_parallel_group(num_zeros_in_grad)

@@ -2,7 +2,9 @@
 
 The log line is printed on the last rank every --log-interval iterations in Megatron's exact format:
 ` [YYYY-mm-dd HH:MM:SS] iteration {it:8d}/{train_iters:8d} | consumed samples: {n:12d} | ...`.
-Losses are accumulated on the device and read (one host sync) only when the line is printed.
+Losses are accumulated on the device and read (one host sync) only when the line is printed; the
+grad norm and zero count arrive as device tensors and are read only when a log line or a TensorBoard
+scalar needs them, and the learning rate is MAX-reduced over the model-parallel group only then.
 """
 from datetime import datetime
 
@@ -12,7 +14,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
-from megatron.training.train_step import reduce_max_stat_across_model_parallel_group
+from megatron.training.train_step import reduce_max_stat_across_model_parallel_group, stat_to_host
 from megatron.training.utils import is_rank0, print_rank_last, report_memory
 
 ADVANCED_ITERS_KEY = "advanced iterations"
@@ -156,6 +158,12 @@ def _accumulate(loss_dict, total_loss_dict, skipped_iter):
     total_loss_dict[NAN_ITERS_KEY] = total_loss_dict.get(NAN_ITERS_KEY, 0) + int(got_nan)
 
 
+def _writes_scalars(args):
+    """Whether any rank writes TensorBoard/wandb scalars: the same answer on every rank, so the collective
+    reading the learning rate runs on all of them or on none."""
+    return bool(getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", ""))
+
+
 def _scalar(value):
     return value.item() if isinstance(value, torch.Tensor) else value
 
@@ -238,11 +246,16 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
     _accumulate(loss_dict, total_loss_dict, skipped_iter)
     batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
     total_iterations = total_loss_dict[ADVANCED_ITERS_KEY] + total_loss_dict[SKIPPED_ITERS_KEY]
+    is_log_iteration = iteration % args.log_interval == 0
+    is_scalar_iteration = _writes_scalars(args) and iteration % args.tensorboard_log_interval == 0
+    if not (is_log_iteration or is_scalar_iteration):
+        return report_memory_flag
     learning_rate = reduce_max_stat_across_model_parallel_group(learning_rate)
-    if writer and iteration % args.tensorboard_log_interval == 0:
+    grad_norm, num_zeros_in_grad = stat_to_host(grad_norm), stat_to_host(num_zeros_in_grad)
+    if writer and is_scalar_iteration:
         _write_scalars(args, writer, wandb_writer, loss_dict, learning_rate, decoupled_learning_rate, iteration,
                        loss_scale, batch_size, grad_norm, params_norm, num_zeros_in_grad)
-    if iteration % args.log_interval != 0:
+    if not is_log_iteration:
         return report_memory_flag
     elapsed_time = timers("interval-time").elapsed(barrier=True)
     elapsed_per_iter = elapsed_time / max(1, total_iterations)

@@ -39,16 +39,22 @@ def is_last_rank() -> bool:
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
+def print_line(message) -> None:
+    """Print `message` and its newline in ONE write, so lines of several ranks sharing a stream never mix."""
+    sys.stdout.write(f"{message}\n")
+    sys.stdout.flush()
+
+
 def print_rank_0(message) -> None:
     """Print on global rank 0 only."""
     if is_rank0():
-        print(message, flush=True)
+        print_line(message)
 
 
 def print_rank_last(message) -> None:
     """Print on the last global rank only."""
     if is_last_rank():
-        print(message, flush=True)
+        print_line(message)
 
 
 def print_datetime(string: str) -> None:
@@ -114,7 +120,7 @@ def report_memory(name: str) -> None:
         string = name + " memory (MB) | max resident (cpu): {:.1f}".format(peak_mb)
     if mpu.get_data_parallel_rank() == 0:
         rank = torch.distributed.get_rank() if _dist_ready() else 0
-        print("[Rank {}] {}".format(rank, string), flush=True)
+        print_line("[Rank {}] {}".format(rank, string))
 
 
 def append_to_progress_log(string: str, barrier: bool = True) -> None:

@@ -5,6 +5,10 @@ duplicate; see `param_is_not_shared` / `param_is_not_tensor_parallel_duplicate`)
 of squares all-reduced over the model-parallel group counts every gradient element exactly once.
 Clipping then scales every gradient, duplicates included, by the same coefficient.
 
+Host synchronisation note: the `*_tensor` variants keep the norm, the clip coefficient and the zero
+count on the device, so an optimizer step under bf16/fp32 never waits for the GPU; the float-returning
+Megatron functions are thin `.item()` wrappers around them for callers that want a number.
+
 Design note: the TP-duplicate check reads `parallel_state` directly instead of importing
 `tensor_parallel`, because `core/optimizer` may depend only on configs and `parallel_state`.
 """
@@ -78,15 +82,15 @@ def _l2_norm_squared(grads: List[torch.Tensor], device: torch.device) -> torch.T
     return torch.sum(per_tensor * per_tensor)
 
 
-def get_grad_norm_fp32(
+def get_grad_norm_fp32_tensor(
     grads_for_norm: Union[List[torch.Tensor], torch.Tensor],
     norm_type: Union[int, float] = 2,
     grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
-) -> float:
-    """Norm of `grads_for_norm` over all ranks of `grad_stats_parallel_group`, computed in fp32.
+) -> torch.Tensor:
+    """`get_grad_norm_fp32` as a 0-dim float64 tensor on the reduction device: no host synchronisation.
 
-    `norm_type` may be `inf` (max-abs, MAX-reduced) or any p (sum of |g|^p, SUM-reduced, then the p-th
-    root). Gradients that are DTensors are additionally reduced over their data-parallel group.
+    The per-rank sum (or max) is accumulated in fp32 and all-reduced; the p-th root is taken in
+    float64, which is what Megatron's `total.item() ** (1 / p)` computes on the host.
     """
     grads = _as_list(grads_for_norm)
     data_parallel_group = None
@@ -100,47 +104,87 @@ def get_grad_norm_fp32(
         if grads:
             maxes = torch.stack([g.detach().abs().max().to(device=device, dtype=torch.float) for g in grads])
             total = torch.max(maxes).reshape(1)  # [] -> [1]
-        if data_parallel_group is not None:
-            _all_reduce(total, dist.ReduceOp.MAX, data_parallel_group)
-        _all_reduce(total, dist.ReduceOp.MAX, grad_stats_parallel_group)
-        return total[0].item()
-    if norm_type == 2.0:
+        op = dist.ReduceOp.MAX
+    elif norm_type == 2.0:
         total = _l2_norm_squared([g.detach() for g in grads], device).reshape(1)  # [] -> [1]
+        op = dist.ReduceOp.SUM
     else:
         total = torch.zeros(1, dtype=torch.float, device=device)
         for grad in grads:
             norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32)
             total += norm.to(device) ** norm_type
+        op = dist.ReduceOp.SUM
     if data_parallel_group is not None:
-        _all_reduce(total, dist.ReduceOp.SUM, data_parallel_group)
-    _all_reduce(total, dist.ReduceOp.SUM, grad_stats_parallel_group)
-    return total[0].item() ** (1.0 / norm_type)
+        _all_reduce(total, op, data_parallel_group)
+    _all_reduce(total, op, grad_stats_parallel_group)
+    total = total[0].double()
+    if norm_type == math.inf:
+        return total
+    if norm_type == 2.0:
+        return total.sqrt()
+    return total.pow(1.0 / norm_type)
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: Union[List[torch.Tensor], torch.Tensor],
+    norm_type: Union[int, float] = 2,
+    grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
+) -> float:
+    """Norm of `grads_for_norm` over all ranks of `grad_stats_parallel_group`, computed in fp32.
+
+    `norm_type` may be `inf` (max-abs, MAX-reduced) or any p (sum of |g|^p, SUM-reduced, then the p-th
+    root). Gradients that are DTensors are additionally reduced over their data-parallel group.
+    Returns a Python float (one host sync); the optimizers use `get_grad_norm_fp32_tensor`.
+    """
+    return get_grad_norm_fp32_tensor(grads_for_norm, norm_type, grad_stats_parallel_group).item()
+
+
+def _scale_by_device_coefficient(grads: List[torch.Tensor], coefficient: torch.Tensor) -> None:
+    """`grad *= coefficient` for every grad, grouped by (device, dtype) so that each foreach call gets a
+    scalar tensor of its own device and dtype; fp32 grads see the fp32-rounded coefficient, as the
+    host-side Megatron path does."""
+    groups = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), group in groups.items():
+        torch._foreach_mul_(group, coefficient.to(device=device, dtype=dtype))
 
 
 def clip_grad_by_total_norm_fp32(
     parameters: Union[List[torch.Tensor], torch.Tensor],
     max_norm: Union[int, float],
-    total_norm: float,
+    total_norm: Union[float, torch.Tensor],
     use_decoupled_grad: bool = False,
 ) -> None:
-    """Scale every gradient of `parameters` by `max_norm / (total_norm + 1e-6)` when that is < 1."""
+    """Scale every gradient of `parameters` by `max_norm / (total_norm + 1e-6)` when that is < 1.
+
+    With `total_norm` a device tensor (from `get_grad_norm_fp32_tensor`) the coefficient is
+    `clamp(max_norm / (total_norm + 1e-6), max=1)` computed on the device and always applied: no host
+    branch, and a coefficient of exactly 1.0 leaves every value bit-identical.
+    """
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     grads = []
     for param in _as_list(parameters):
         grad = getattr(param, attr, None)
         if grad is not None:
             grads.append(_local(grad).detach())
+    if not grads:
+        return
+    if isinstance(total_norm, torch.Tensor):
+        coefficient = torch.clamp(max_norm / (total_norm.detach().double() + 1.0e-6), max=1.0)
+        _scale_by_device_coefficient(grads, coefficient)
+        return
     clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0 and grads:
+    if clip_coeff < 1.0:
         torch._foreach_mul_(grads, clip_coeff)
 
 
-def count_zeros_fp32(
+def count_zeros_fp32_tensor(
     parameters: Union[List[torch.Tensor], torch.Tensor],
     grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
     use_decoupled_grad: bool = False,
-) -> float:
-    """Number of zero gradient entries over owned (non-shared, non-TP-duplicate) params of all ranks."""
+) -> torch.Tensor:
+    """`count_zeros_fp32` as a 0-dim fp32 tensor on the reduction device: no host synchronisation."""
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     owned = []
     data_parallel_group = None
@@ -156,4 +200,13 @@ def count_zeros_fp32(
     if data_parallel_group is not None:
         _all_reduce(total, dist.ReduceOp.SUM, data_parallel_group)
     _all_reduce(total, dist.ReduceOp.SUM, grad_stats_parallel_group)
-    return total[0].item()
+    return total[0]
+
+
+def count_zeros_fp32(
+    parameters: Union[List[torch.Tensor], torch.Tensor],
+    grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
+    use_decoupled_grad: bool = False,
+) -> float:
+    """Number of zero gradient entries over owned (non-shared, non-TP-duplicate) params of all ranks."""
+    return count_zeros_fp32_tensor(parameters, grad_stats_parallel_group, use_decoupled_grad).item()

@@ -14,10 +14,9 @@ Model grads are read from `param.main_grad` when the DDP wrapper attached one (a
 buffer), else from `param.grad`.
 """
 import logging
-import math
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -25,8 +24,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
-    count_zeros_fp32,
-    get_grad_norm_fp32,
+    count_zeros_fp32_tensor,
+    get_grad_norm_fp32_tensor,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
@@ -48,6 +47,8 @@ from megatron.core.optimizer.sharded_state import (
 param_group_identifier_keys = PARAM_GROUP_IDENTIFIER_KEYS
 
 logger = logging.getLogger(__name__)
+
+StepStat = Union[float, torch.Tensor]
 
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce")
 
@@ -191,28 +192,43 @@ class MegatronOptimizer(ABC):
     def step_with_ready_grads(self) -> bool:
         """Run the inner optimizer step and propagate the result to the model params."""
 
-    def get_grad_norm(self) -> float:
-        """Global L2 norm of the main grads (no clipping)."""
-        return get_grad_norm_fp32(
+    def get_grad_norm_tensor(self) -> torch.Tensor:
+        """Global L2 norm of the main grads (no clipping) as a 0-dim device tensor (no host sync)."""
+        return get_grad_norm_fp32_tensor(
             self.get_main_grads_for_grad_norm(), grad_stats_parallel_group=self.get_grad_stats_parallel_group()
         )
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip all main grads to global norm `clip_grad`; return the norm before clipping."""
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the main grads (no clipping)."""
+        return self.get_grad_norm_tensor().item()
+
+    def clip_grad_norm_tensor(self, clip_grad: float) -> torch.Tensor:
+        """Clip all main grads to global norm `clip_grad` with a device-side coefficient; return the
+        pre-clip norm as a 0-dim device tensor (no host sync)."""
         params = self.get_parameters()
         grads_for_norm = self.get_main_grads_for_grad_norm() if params else []
-        grad_norm = get_grad_norm_fp32(grads_for_norm, grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        grad_norm = get_grad_norm_fp32_tensor(
+            grads_for_norm, grad_stats_parallel_group=self.get_grad_stats_parallel_group()
+        )
         if params:
             clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm, self.config.use_precision_aware_optimizer)
         return grad_norm
 
-    def count_zeros(self) -> float:
-        """Number of zero entries in the owned main grads, over the grad-stats group."""
-        return count_zeros_fp32(
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip all main grads to global norm `clip_grad`; return the norm before clipping."""
+        return self.clip_grad_norm_tensor(clip_grad).item()
+
+    def count_zeros_tensor(self) -> torch.Tensor:
+        """Number of zero entries in the owned main grads, over the grad-stats group, as a device tensor."""
+        return count_zeros_fp32_tensor(
             self.get_parameters(),
             grad_stats_parallel_group=self.get_grad_stats_parallel_group(),
             use_decoupled_grad=self.config.use_precision_aware_optimizer,
         )
+
+    def count_zeros(self) -> float:
+        """Number of zero entries in the owned main grads, over the grad-stats group."""
+        return self.count_zeros_tensor().item()
 
     @abstractmethod
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -276,8 +292,13 @@ class MegatronOptimizer(ABC):
             grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     @abstractmethod
-    def step(self) -> Tuple[bool, Optional[float], Optional[float]]:
-        """One update: `(update_successful, grad_norm, num_zeros_in_grad)`."""
+    def step(self) -> Tuple[bool, Optional[StepStat], Optional[StepStat]]:
+        """One update: `(update_successful, grad_norm, num_zeros_in_grad)`.
+
+        `grad_norm` and `num_zeros_in_grad` are 0-dim device tensors when computed (read them with
+        `.item()` only when they are logged), a float/None otherwise. Without a grad scaler (bf16,
+        fp32) the step never synchronises with the device and `update_successful` is True.
+        """
 
     @property
     def state(self) -> Dict:
@@ -383,16 +404,19 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         return True
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[float]]:
-        """Skipped step on inf/nan: `(False, None, None)`; else clip, count zeros, step."""
+    def step(self) -> Tuple[bool, Optional[StepStat], Optional[StepStat]]:
+        """Skipped step on inf/nan: `(False, None, None)`; else clip, count zeros, step.
+
+        Only the inf/nan check of a grad scaler reads a value back to the host (the skip decision).
+        """
         if self.prepare_grads():
             return False, None, None
         grad_norm = 0.0
         with _timed(self.config, "optimizer-clip-main-grad"):
             if self.config.clip_grad > 0.0:
-                grad_norm = self.clip_grad_norm(self.config.clip_grad)
+                grad_norm = self.clip_grad_norm_tensor(self.config.clip_grad)
         with _timed(self.config, "optimizer-count-zeros"):
-            num_zeros_in_grad = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+            num_zeros_in_grad = self.count_zeros_tensor() if self.config.log_num_zeros_in_grad else None
         success = self.step_with_ready_grads()
         return success, grad_norm, num_zeros_in_grad
 
@@ -564,16 +588,16 @@ class FP32Optimizer(MegatronOptimizer):
         return True
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[float]]:
-        """Clip (grad_norm is None when clipping is off), count zeros, step."""
+    def step(self) -> Tuple[bool, Optional[StepStat], Optional[StepStat]]:
+        """Clip (grad_norm is None when clipping is off), count zeros, step; never syncs with the device."""
         if self.prepare_grads():
             return False, None, None
         grad_norm = None
         with _timed(self.config, "optimizer-clip-main-grad"):
             if self.config.clip_grad > 0.0:
-                grad_norm = self.clip_grad_norm(self.config.clip_grad)
+                grad_norm = self.clip_grad_norm_tensor(self.config.clip_grad)
         with _timed(self.config, "optimizer-count-zeros"):
-            num_zeros_in_grad = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+            num_zeros_in_grad = self.count_zeros_tensor() if self.config.log_num_zeros_in_grad else None
         success = self.step_with_ready_grads()
         return success, grad_norm, num_zeros_in_grad
 
@@ -696,21 +720,37 @@ class ChainedOptimizer(MegatronOptimizer):
         return [param for opt in self.chained_optimizers for param in opt.get_parameters()]
 
     @torch.no_grad()
+    def get_grad_norm_tensor(self) -> torch.Tensor:
+        """sqrt of the sum of the squared per-optimizer norms, as a 0-dim device tensor."""
+        norms = [opt.get_grad_norm_tensor() for opt in self.chained_optimizers]
+        device = norms[0].device
+        squares = torch.stack([norm.to(device=device, dtype=torch.float64) ** 2 for norm in norms])
+        return squares.sum().sqrt()
+
+    @torch.no_grad()
     def get_grad_norm(self) -> float:
         """sqrt of the sum of the squared per-optimizer norms."""
-        norms = [opt.get_grad_norm() or 0.0 for opt in self.chained_optimizers]
-        return math.sqrt(sum(norm**2 for norm in norms))
+        return self.get_grad_norm_tensor().item()
+
+    def count_zeros_tensor(self) -> torch.Tensor:
+        """Sum of the per-optimizer zero counts, as a 0-dim device tensor."""
+        counts = [opt.count_zeros_tensor() for opt in self.chained_optimizers]
+        device = counts[0].device
+        return torch.stack([count.to(device) for count in counts]).sum()
 
     def count_zeros(self) -> float:
         """Sum of the per-optimizer zero counts."""
-        return sum(opt.count_zeros() for opt in self.chained_optimizers)
+        return self.count_zeros_tensor().item()
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[float]]:
-        """Common inf check, one global norm for clipping all optimizers, then every step."""
+    def step(self) -> Tuple[bool, Optional[StepStat], Optional[StepStat]]:
+        """Common inf check, one global norm for clipping all optimizers, then every step.
+
+        The global norm and the clip coefficient stay on the device (see `MegatronOptimizer.step`).
+        """
         if self.prepare_grads():
             return False, None, None
-        grad_norm = self.get_grad_norm()
+        grad_norm = self.get_grad_norm_tensor()
         for opt in self.chained_optimizers:
             if getattr(opt, "is_stub_optimizer", False):
                 continue
@@ -721,7 +761,8 @@ class ChainedOptimizer(MegatronOptimizer):
                 )
         num_zeros_in_grad = 0
         for opt in self.chained_optimizers:
-            num_zeros_in_grad += opt.count_zeros() if opt.config.log_num_zeros_in_grad else 0
+            if opt.config.log_num_zeros_in_grad:
+                num_zeros_in_grad = num_zeros_in_grad + opt.count_zeros_tensor()
         update_successful = self.step_with_ready_grads()
         return update_successful, grad_norm, num_zeros_in_grad
 

@@ -7,7 +7,9 @@ Weights are stored in Megatron's layout (column: `[out/tp, in]`, row: `[out, in/
 Gradient accumulation fusion note: Megatron needs Apex's `fused_weight_gradient_mlp_cuda` for it;
 here the weight gradient is accumulated straight into `weight.main_grad` with a plain `addmm_` in the
 linear backward, so `gradient_accumulation_fusion=True` (the CLI default) works everywhere. Without a
-`main_grad` (no DDP wrapper) the weight gradient is returned to autograd as usual.
+`main_grad` (no DDP wrapper) the weight gradient is returned to autograd as usual. bf16/fp16 grads go
+into an fp32 `main_grad` with one fp32-output GEMM on CUDA where torch has it (probed once, see
+`addmm_fp32_out_supported`), else with a half-precision matmul, a cast and an add.
 """
 from typing import Any, Callable, List, Optional
 
@@ -114,12 +116,59 @@ def _weight_device(config: ModelParallelConfig):
     return torch.device("cuda", torch.cuda.current_device())
 
 
+# (device, input dtype) -> whether `torch.addmm(..., out_dtype=torch.float32, out=main_grad)` works and
+# matches the reference there; filled by `_probe_addmm_fp32_out` on first use.
+_ADDMM_FP32_OUT_SUPPORT = {}
+
+
+def _addmm_fp32_out(main_grad, grad_output_2d, input_2d) -> None:
+    """main_grad [out, in] += grad_output^T [out, s*b] @ input [s*b, in], one GEMM with an fp32 output."""
+    torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
+
+
+def _probe_addmm_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Try the fp32-output addmm on tiny tensors of `device`/`dtype` and compare with the reference
+    (half-precision matmul in fp32, then add); any error or mismatch means 'not supported'."""
+    generator = torch.Generator().manual_seed(0)
+    grad_output = torch.randn(8, 4, generator=generator).to(device=device, dtype=dtype)
+    inputs = torch.randn(8, 6, generator=generator).to(device=device, dtype=dtype)
+    accumulator = torch.randn(4, 6, generator=generator).to(device=device)
+    expected = accumulator + grad_output.float().t() @ inputs.float()
+    try:
+        _addmm_fp32_out(accumulator, grad_output, inputs)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return accumulator.dtype == torch.float32 and bool(torch.allclose(accumulator, expected, rtol=1e-2, atol=1e-2))
+
+
+def addmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a `dtype` weight gradient can be accumulated into an fp32 `main_grad` on `device` by one
+    fp32-output GEMM. CUDA only (CPU has no such kernel); probed once per (device, dtype) outside of
+    compilation (a traced backward uses the answer an eager call or layer construction recorded)."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    key = (device, dtype)
+    if key not in _ADDMM_FP32_OUT_SUPPORT:
+        if torch.compiler.is_compiling():
+            return False
+        _ADDMM_FP32_OUT_SUPPORT[key] = _probe_addmm_fp32_out(device, dtype)
+    return _ADDMM_FP32_OUT_SUPPORT[key]
+
+
 def _accumulate_weight_grad(weight, grad_output_2d, input_2d):
-    """Add the weight gradient into `weight.main_grad`; return the placeholder grad Megatron's DDP expects."""
+    """Add the weight gradient into `weight.main_grad`; return the placeholder grad Megatron's DDP expects.
+
+    Same dtype: one in-place addmm. bf16/fp16 into fp32 on CUDA: one GEMM with an fp32 output where
+    the installed torch has it (`addmm_fp32_out_supported`), else a half-precision matmul, a cast and
+    an add (three passes over the gradient).
+    """
     main_grad = weight.main_grad
     # main_grad [out, in] += grad_output^T [out, s*b] @ input [s*b, in]
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
+    elif main_grad.dtype == torch.float32 and addmm_fp32_out_supported(main_grad.device, grad_output_2d.dtype):
+        _addmm_fp32_out(main_grad, grad_output_2d, input_2d)
     else:
         main_grad.add_(torch.matmul(grad_output_2d.t(), input_2d).to(main_grad.dtype))
     if hasattr(weight, "grad_added_to_main_grad"):
@@ -151,11 +200,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.wgrad_deferral_limit = wgrad_deferral_limit
         ctx.tp_group = tp_group
         total_input = all_gather_along_first_dim(input, tp_group) if sequence_parallel else input
-        # [s, b, in] @ [in, out] -> [s, b, out]
-        output = torch.matmul(total_input, weight.t())
-        if bias is not None:
-            output = output + bias
-        return output
+        # [s, b, in] x [out, in] (+ [out]) -> [s, b, out]; the bias add is fused into the GEMM
+        return F.linear(total_input, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -311,6 +357,10 @@ def _init_linear_weight(layer, config, init_method, out_full, in_full, per_parti
     else:
         _initialize_affine_weight_gpu(layer.weight, init_method, partition_dim, stride, is_expert=is_expert)
     setattr(layer.weight, "allreduce", not (is_expert and layer.expert_parallel))
+    if config.gradient_accumulation_fusion and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Probe now, eagerly: a compiled layer's backward is traced before any eager backward runs. Only
+        # where CUDA is already up, so that building a CPU layer never initialises CUDA (forked test ranks).
+        addmm_fp32_out_supported(torch.device("cuda", torch.cuda.current_device()), config.params_dtype)
 
 
 def _init_bias(layer, config, size, stride, tensor_parallel):
