@@ -13,6 +13,22 @@ def _load_processor(model_file: str):
     return sentencepiece.SentencePieceProcessor(model_file=model_file)
 
 
+class NoClsSepMaskMixin:
+    """For tokenizers without [CLS]/[SEP]/[MASK]: each reads -1, as in Megatron (list it before the base)."""
+
+    @property
+    def cls(self):
+        return -1
+
+    @property
+    def sep(self):
+        return -1
+
+    @property
+    def mask(self):
+        return -1
+
+
 class _SentencePieceTokenizer(MegatronTokenizer):
     """SentencePiece model plus `<CLS> <SEP> <EOD> <MASK>`, pad/bos/eos pieces and `<extra_id_i>` sentinels."""
 
@@ -140,7 +156,7 @@ class _SentencePieceTokenizer(MegatronTokenizer):
         return [self.vocab[k] for k in self._t5_tokens]
 
 
-class _GPTSentencePieceTokenizer(_SentencePieceTokenizer):
+class _GPTSentencePieceTokenizer(NoClsSepMaskMixin, _SentencePieceTokenizer):
     """SentencePiece with no added tokens: eod = eos_id, pad = pad_id (may be -1)."""
 
     def __init__(self, model_file: str):
@@ -159,18 +175,6 @@ class _GPTSentencePieceTokenizer(_SentencePieceTokenizer):
         return self.tokenizer.decode_ids([int(i) for i in ids])
 
     @property
-    def cls(self):
-        return -1
-
-    @property
-    def sep(self):
-        return -1
-
-    @property
-    def mask(self):
-        return -1
-
-    @property
     def eod(self):
         return self._eos_id
 
@@ -179,7 +183,7 @@ class _GPTSentencePieceTokenizer(_SentencePieceTokenizer):
         return None
 
 
-class _Llama2Tokenizer(_SentencePieceTokenizer):
+class _Llama2Tokenizer(NoClsSepMaskMixin, _SentencePieceTokenizer):
     """Llama-2 SentencePiece: `tokenize(s, bos=True, eos=False)` prepends BOS; eod = eos."""
 
     def __init__(self, model_file: str):
@@ -204,18 +208,6 @@ class _Llama2Tokenizer(_SentencePieceTokenizer):
 
     def detokenize(self, ids) -> str:
         return self.tokenizer.decode_ids([int(i) for i in ids])
-
-    @property
-    def cls(self):
-        return -1
-
-    @property
-    def sep(self):
-        return -1
-
-    @property
-    def mask(self):
-        return -1
 
     @property
     def eod(self):

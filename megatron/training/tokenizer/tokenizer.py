@@ -14,6 +14,7 @@ from megatron.training.tokenizer.bert_tokenization import _BertWordPieceTokenize
 from megatron.training.tokenizer.gpt2_tokenization import EOD_TOKEN, GPT2BPE
 from megatron.training.tokenizer.huggingface_tokenizer import _HuggingFaceTokenizer
 from megatron.training.tokenizer.sentencepiece_tokenizers import (
+    NoClsSepMaskMixin,
     _GPTSentencePieceTokenizer,
     _Llama2Tokenizer,
     _SentencePieceTokenizer,
@@ -170,7 +171,7 @@ class _GPT2BPETokenizer(MegatronTokenizer):
         return self.eod_id
 
 
-class _NullTokenizer(MegatronTokenizer):
+class _NullTokenizer(NoClsSepMaskMixin, MegatronTokenizer):
     """Text is whitespace-separated integer ids; eod = vocab_size and the vocab reports vocab_size + 1."""
 
     def __init__(self, vocab_size: int):
@@ -202,18 +203,6 @@ class _NullTokenizer(MegatronTokenizer):
     @property
     def inv_vocab(self):
         raise NotImplementedError("_NullTokenizer has no inv_vocab")
-
-    @property
-    def cls(self):
-        return -1
-
-    @property
-    def sep(self):
-        return -1
-
-    @property
-    def mask(self):
-        return -1
 
     @property
     def eod(self):
