@@ -23,6 +23,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Where `gpt-small-text` finds its corpus (built by examples/quickstart.sh; copy it there for a GPU job).
+TEXT_DATA = os.environ.get("BENCH_TEXT_DATA", "data/quickstart")
 COMMON = (
     "--bf16 --mock-data --tokenizer-type NullTokenizer --hidden-dropout 0 --attention-dropout 0 "
     "--lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --eval-iters 0 --eval-interval 100000 --log-throughput"
@@ -45,6 +47,14 @@ MODELS = {
         "--max-position-embeddings 4096 --micro-batch-size 4 --vocab-size 50303",
         "--layers 32 --hidden 2560 --heads 20 --seq 4096 --mbs 4",
     ),
+    # Numerics check on real text (the quickstart Shakespeare corpus, GPT-2 BPE), no yardstick.
+    "gpt-small-text": (
+        "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 "
+        "--max-position-embeddings 1024 --micro-batch-size 8 --tokenizer-type GPT2BPETokenizer "
+        f"--data-path {TEXT_DATA}/shakespeare_text_document --vocab-file {TEXT_DATA}/vocab.json "
+        f"--merge-file {TEXT_DATA}/merges.txt --split 969,30,1",
+        None,
+    ),
     "tiny": (  # a CPU dry run of this script
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
         "--micro-batch-size 2 --vocab-size 4200",
@@ -53,13 +63,22 @@ MODELS = {
 }
 # name -> (model, gpus, extra flags, global batch size, train iters, log interval)
 CONFIGS = {
-    "gpt1.3b": ("gpt1.3b", 1, "", 8, 20, 5),
+    "gpt1.3b": ("gpt1.3b", 1, "", 8, 40, 5),
     "llama1b": ("llama1b", 1, "", 4, 20, 5),
     "gpt2.7b": ("gpt2.7b", 1, "", 4, 15, 5),
     "gpt1.3b-pp1-m8": ("gpt1.3b", 1, "", 64, 8, 2),
-    "gpt1.3b-dp2": ("gpt1.3b", 2, "--overlap-grad-reduce", 16, 20, 5),
+    "gpt1.3b-dp2": ("gpt1.3b", 2, "--overlap-grad-reduce", 16, 40, 5),
     "gpt1.3b-tp2-sp": ("gpt1.3b", 2, "--tensor-model-parallel-size 2 --sequence-parallel", 8, 20, 5),
     "gpt1.3b-pp2-m8": ("gpt1.3b", 2, "--pipeline-model-parallel-size 2", 64, 8, 2),
+    # 13 + 11 layers: the last stage also runs the output layer and loss (about two layers' worth of work).
+    "gpt1.3b-pp2-m8-split": ("gpt1.3b", 2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 13",
+                             64, 8, 2),
+    "gpt1.3b-pp1-m16": ("gpt1.3b", 1, "", 128, 6, 2),
+    "gpt1.3b-pp2-m16-split": ("gpt1.3b", 2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 13",
+                              128, 6, 2),
+    "gpt1.3b-dp2-nocheck": ("gpt1.3b", 2, "--overlap-grad-reduce --no-check-for-nan-in-loss-and-grad", 16, 20, 5),
+    "text200": ("gpt-small-text", 1, "--lr 3e-4 --lr-warmup-iters 20", 16, 200, 10),
+    "text200-mbs4": ("gpt-small-text", 1, "--lr 3e-4 --lr-warmup-iters 20 --micro-batch-size 4", 16, 200, 10),
     "tiny": ("tiny", 1, "", 4, 6, 2),
     "tiny-pp2": ("tiny", 2, "--pipeline-model-parallel-size 2", 8, 6, 2),
 }
@@ -69,6 +88,7 @@ VARIANTS = {
     "nocompile": {"MEGATRON_COMPILE_LAYERS": "0"},
     "compile": {"MEGATRON_COMPILE_LAYERS": "1"},
     "eager": {"MEGATRON_COMPILE_LAYERS": "0", "MEGATRON_EAGER_FUSIONS": "1"},
+    "simple": {"NCCL_PROTO": "Simple"},  # NCCL's bandwidth protocol only (no LL / LL128)
 }
 TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -118,7 +138,9 @@ def ours_job(config, iters_override=None, profile_out=None):
         profile = f" --profile --use-pytorch-profiler --profile-step-start {iters + 1} --profile-step-end {iters + 3}"
         script = [os.path.join(ROOT, "benchmarks", "gpu", "profile_pretrain.py"), "--profile-out", profile_out, "--"]
         iters += 3
-    args = f"{MODELS[model][0]} {COMMON} {flags} --global-batch-size {gbs} --train-iters {iters} --log-interval {interval}"
+    common = COMMON if "--data-path" not in MODELS[model][0] else COMMON.replace(
+        "--mock-data --tokenizer-type NullTokenizer ", "")
+    args = f"{MODELS[model][0]} {common} {flags} --global-batch-size {gbs} --train-iters {iters} --log-interval {interval}"
     args += profile
     launcher = [sys.executable]
     if gpus > 1:
@@ -187,10 +209,12 @@ def derived(results):
     """Pipeline bubble / efficiency, DP scaling and TP+SP fraction from the measured rows."""
     t = {name: r["ours"].get("tflops") for name, r in results.items() if r.get("ours")}
     out = {}
-    if t.get("gpt1.3b-pp2-m8") and t.get("gpt1.3b-pp1-m8"):
-        p, m = 2, 8
-        out["pp2_theoretical_bubble"] = round((p - 1) / (m + p - 1), 3)
-        out["pp2_efficiency_vs_pp1"] = round(t["gpt1.3b-pp2-m8"] / t["gpt1.3b-pp1-m8"], 3)
+    for name, value in t.items():
+        found = re.match(r"gpt1\.3b-pp2-m(\d+)", name)
+        if found and value and t.get(f"gpt1.3b-pp1-m{found.group(1)}"):
+            p, m = 2, int(found.group(1))
+            out[f"{name}_ideal_efficiency"] = round(1 - (p - 1) / (m + p - 1), 3)
+            out[f"{name}_efficiency_vs_pp1"] = round(value / t[f"gpt1.3b-pp1-m{m}"], 3)
     if t.get("gpt1.3b-dp2") and t.get("gpt1.3b"):
         out["dp2_scaling_efficiency"] = round(t["gpt1.3b-dp2"] / t["gpt1.3b"], 3)
     if t.get("gpt1.3b-tp2-sp") and t.get("gpt1.3b"):
@@ -212,7 +236,7 @@ def build_jobs(args):
         job = ours_job(config, profile_out=profile_out)
         (late if config in args.late else single if job.gpus == 1 else multi).append(job)
         model = CONFIGS[config.partition(":")[0]][0]
-        if args.yardstick and f"yardstick:{model}" not in [j.name for j in single + late]:
+        if args.yardstick and MODELS[model][1] and f"yardstick:{model}" not in [j.name for j in single + late]:
             (late if config in args.late else single).append(yardstick_job(args.yardstick, model))
     for extra in args.extra_jobs:
         if extra == "attn":

@@ -23,3 +23,8 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
     return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)))
+
+
+def erf_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Exact (erf-based) GELU written out: 0.5 x (1 + erf(x / sqrt(2))) (Megatron's `--onnx-safe` path)."""
+    return x * 0.5 * (torch.erf(x / math.sqrt(2.0)) + 1.0)

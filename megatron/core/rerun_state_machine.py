@@ -2,7 +2,9 @@
 
 This is the part of Megatron's rerun state machine that loss functions call (`validate_result`,
 `is_unexpectedly_large`). It does not re-run iterations: in every mode a rejected fatal result raises a
-`RuntimeError` naming the rank and iteration, and a rejected non-fatal result is logged. The public
+`RuntimeError` naming the rank and iteration, and a rejected non-fatal result is logged. When the
+training loop enables deferral (CUDA), a fatal check on a device tensor is queued in
+`megatron.core.deferred_checks` and raised at the next flush instead of stalling the host now. The public
 names, modes and call signatures are Megatron Core's, so loss functions written for Megatron work here.
 """
 import logging
@@ -13,7 +15,12 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from megatron.core.deferred_checks import get_deferred_checks
+
 logger = logging.getLogger(__name__)
+
+
+_ELEMENTWISE_PREDICATES = (torch.isnan, torch.isinf, torch.isposinf, torch.isneginf)
 
 
 class RerunMode(str, Enum):
@@ -117,20 +124,33 @@ class RerunStateMachine:
         """
         if self.mode == RerunMode.DISABLED and not fatal:
             return
+        deferred = get_deferred_checks()
+        iteration = self.current_iteration
+        if fatal and rejection_func in _ELEMENTWISE_PREDICATES and deferred.should_defer(result):
+            deferred.add(result, lambda: self._reject(result, message, iteration), predicate=rejection_func)
+            return
         rejected = rejection_func(result)
+        if fatal and deferred.should_defer(rejected):
+            deferred.add(rejected, lambda: self._reject(result, message, iteration))
+            return
         if isinstance(rejected, torch.Tensor):
             rejected = bool(rejected.any().item())
         if not rejected:
             return
-        self.rejected_count += 1
-        full_message = (
-            f"Rank {_rank()}, node {os.uname()[1]}, iteration {self.current_iteration}: "
-            f"Unexpected result {_as_float(result) if _is_scalar(result) else result} (message='{message}')"
-        )
-        self._record_rejection(full_message)
+        full_message = self._reject(result, message, self.current_iteration)
         if fatal:
             raise RuntimeError(full_message)
         logger.warning(full_message)
+
+    def _reject(self, result: Any, message: str, iteration: int) -> str:
+        """Count and record a rejected result; return the error message."""
+        self.rejected_count += 1
+        full_message = (
+            f"Rank {_rank()}, node {os.uname()[1]}, iteration {iteration}: "
+            f"Unexpected result {_as_float(result) if _is_scalar(result) else result} (message='{message}')"
+        )
+        self._record_rejection(full_message)
+        return full_message
 
     def _record_rejection(self, message: str) -> None:
         if self.result_rejected_tracker_filename is None:

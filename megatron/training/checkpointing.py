@@ -1,10 +1,12 @@
-"""Save and load training checkpoints: the sharded `torch_dist` format (default) and the legacy `torch` layout.
+"""Save and load training checkpoints: the sharded `torch_dist` format (default), plain `torch_dcp` and the
+legacy `torch` layout.
 
 Legacy layout (Megatron's): `<save>/latest_checkpointed_iteration.txt` holds the iteration; each rank with
 expert-data-parallel rank 0 writes `<save>/iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`
 and, with the distributed optimizer, `distrib_optim.pt` beside it. The `torch_dist` format (sharded, reshardable
-across TP/PP/DP, optionally asynchronous) lives in `checkpointing_dist.py`; this module picks the format on
-save (`--ckpt-format`) and detects it on load.
+across TP/PP/DP, optionally asynchronous) and `torch_dcp` (plain torch.distributed.checkpoint, Megatron's FSDP2
+format) live in `checkpointing_dist.py`; this module picks the format on save (`--ckpt-format`) and detects it
+on load.
 
 Design notes:
 - Atomic save. Every rank writes into `<save>/.tmp_iter_{:07d}/`; once the data is complete rank 0 renames it
@@ -13,7 +15,6 @@ Design notes:
 - No pickles. Files are loaded with `torch.load(weights_only=True)` or the restricted unpickler of
   `megatron.core.dist_checkpointing.safe_load` (Megatron-LM files with a pickled Namespace); args are stored
   as plain data (`checkpoint_args.py`), RNG states as tensors and builtin types.
-- `--ckpt-format torch_dcp` (FSDP2-only in Megatron) falls back to the legacy layout with one info line.
 """
 import os
 import random
@@ -36,9 +37,13 @@ from megatron.training.checkpointing_dist import (
     get_checkpoint_format,
     is_empty_async_queue,
     load_sharded,
+    load_torch_dcp,
     maybe_finalize_async_save,
-        save_sharded,
+    read_torch_dcp_args,
+    save_sharded,
+    save_torch_dcp,
     sharded_rng_state,
+    torch_dcp_layout_problems,
 )
 from megatron.training.global_vars import get_args, get_wandb_writer
 from megatron.training.utils import is_last_rank, print_rank_0, unwrap_model
@@ -243,10 +248,14 @@ def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, 
 
 
 def announce_checkpoint_format(args):
-    """One info line when --ckpt-format asks for a format that falls back to the legacy layout."""
-    if args.ckpt_format == "torch_dcp" and (args.save or args.load or getattr(args, "pretrained_checkpoint", None)):
-        print_rank_0(f"INFO: --ckpt-format {args.ckpt_format} is not implemented yet; writing and reading the "
-                     f"legacy 'torch' layout (mp_rank_XX/model_optim_rng.pt) instead.")
+    """At start-up: refuse --ckpt-format torch_dcp with --save for a layout it cannot store (TP/PP/EP > 1, the
+    distributed optimizer), before any training time is spent."""
+    if args.ckpt_format != "torch_dcp" or not args.save:
+        return
+    problems = torch_dcp_layout_problems(args, with_optimizer=not args.no_save_optim)
+    if problems:
+        raise ValueError("--ckpt-format torch_dcp cannot save this run: " + "; ".join(problems)
+                         + ". Use --ckpt-format torch_dist (reshardable, any layout) or --ckpt-format torch.")
 
 
 def _temp_dir(save_dir, iteration):
@@ -279,7 +288,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     args = get_args()
     model = model if isinstance(model, list) else [model]
     save_dir = args.save
-    ckpt_format = "torch_dist" if args.ckpt_format == "torch_dist" else "torch"
+    ckpt_format = args.ckpt_format if args.ckpt_format in ("torch_dist", "torch_dcp") else "torch"
     if non_persistent_ckpt:
         save_dir, ckpt_format = non_persistent_dir(args, args.save), "torch_dist"
         if _rank() == 0:
@@ -296,6 +305,12 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                          num_floating_point_operations_so_far, save_dir, non_persistent_ckpt)
         return
     rng_state = get_rng_state()
+    if ckpt_format == "torch_dcp":
+        final_dir = get_checkpoint_name(save_dir, iteration, return_base_dir=True)
+        save_torch_dcp(args, model, optimizer, opt_param_scheduler, None if args.no_save_rng else rng_state,
+                       iteration, num_floating_point_operations_so_far, tmp_dir,
+                       lambda: _publish_and_report(save_dir, iteration, final_dir))
+        return
     name_args = dict(pipeline_parallel=pipeline_parallel, tensor_rank=tensor_rank, pipeline_rank=pipeline_rank,
                      expert_parallel=expert_parallel, expert_rank=expert_rank)
     final_name = get_checkpoint_name(save_dir, iteration, **name_args)
@@ -431,6 +446,13 @@ def _load_base_checkpoint(load_dir, args, iteration, release):
 
 def _detect_format(args, base_dir):
     """The format of `base_dir` (spec §4c "Load"); names the directory when it holds no checkpoint."""
+    if not os.path.isdir(base_dir):
+        parent, name = os.path.split(os.path.normpath(base_dir))
+        interrupted = os.path.join(parent, ".tmp_" + name)
+        note = (f" ({interrupted} holds an interrupted save, which is never loaded)" if os.path.isdir(interrupted)
+                else "")
+        raise FileNotFoundError(f"checkpoint directory {base_dir} does not exist{note}; load an earlier iteration "
+                                f"with --ckpt-step N or drop --ckpt-step to load the tracker's iteration.")
     ckpt_format = get_checkpoint_format(base_dir)
     if ckpt_format is None and os.path.isfile(os.path.join(base_dir, "common.pt")):
         raise FileNotFoundError(
@@ -441,9 +463,6 @@ def _detect_format(args, base_dir):
             f"{base_dir} is not a checkpoint: it has no metadata.json (torch_dist, maybe an interrupted save), "
             f"no mp_rank_* directory (torch) and no .metadata (torch_dcp); load an earlier iteration with "
             f"--ckpt-step N.")
-    if ckpt_format == "torch_dcp":
-        raise ValueError(f"{base_dir} is a plain torch_dcp checkpoint (Megatron writes it for FSDP2 only), which this "
-                         f"framework does not read: save with --ckpt-format torch_dist or torch.")
     if ckpt_format != args.ckpt_format and not args.auto_detect_ckpt_format:
         print_rank_0(f"INFO: {base_dir} is a {ckpt_format} checkpoint (--ckpt-format is {args.ckpt_format}); "
                      f"loading it as {ckpt_format}.")
@@ -508,11 +527,14 @@ _CHECKPOINT_MP_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_si
 def _read_args_and_iteration(load_dir, iteration, release):
     """(checkpoint args Namespace, iteration, format) of either format, read without unsafe unpickling."""
     base = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-    if get_checkpoint_format(base) == "torch_dist":
+    ckpt_format = get_checkpoint_format(base)
+    if ckpt_format == "torch_dist":
         common = safe_torch_load(os.path.join(base, "common.pt"), map_location="cpu")
         if "args" not in common:
             raise RuntimeError(f"{base}/common.pt has no 'args' entry: --use-checkpoint-args cannot use it.")
         return checkpoint_args_namespace(common["args"]), common.get("iteration", 0), "torch_dist"
+    if ckpt_format == "torch_dcp":
+        return (*read_torch_dcp_args(base), "torch_dcp")
     state_dict = _load_file(_rank_zero_checkpoint_file(load_dir, iteration, release))
     return checkpoint_args_namespace(state_dict["args"]), state_dict.get("iteration", 0), "torch"
 
@@ -605,9 +627,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     if iteration is None:
         return 0, 0
     base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-    if _detect_format(args, base_dir) == "torch_dist":
-        return _load_torch_dist(args, model, optimizer, opt_param_scheduler, load_dir, base_dir, iteration, release,
-                                strict)
+    ckpt_format = _detect_format(args, base_dir)
+    if ckpt_format in ("torch_dist", "torch_dcp"):
+        return _load_distributed(ckpt_format, args, model, optimizer, opt_param_scheduler, load_dir, base_dir,
+                                 iteration, release, strict)
     state_dict, checkpoint_name = _load_base_checkpoint(load_dir, args, iteration, release)
     set_checkpoint_version(state_dict.get("checkpoint_version", 0))
     if args.finetune or release:
@@ -635,13 +658,16 @@ def _report_loaded(load_dir, iteration):
                  f"at iteration {iteration}")
 
 
-def _load_torch_dist(args, model, optimizer, opt_param_scheduler, load_dir, base_dir, iteration, release, strict):
-    """Load a torch_dist checkpoint at any TP/PP/DP layout (model, optimizer, scheduler, RNG)."""
-    print_rank_0(f" loading torch_dist checkpoint from {load_dir} at iteration {iteration}")
+def _load_distributed(ckpt_format, args, model, optimizer, opt_param_scheduler, load_dir, base_dir, iteration,
+                      release, strict):
+    """Load a torch_dist checkpoint (at any TP/PP/DP layout) or a torch_dcp one (model, optimizer, scheduler,
+    RNG)."""
+    print_rank_0(f" loading {ckpt_format} checkpoint from {load_dir} at iteration {iteration}")
     load_optim = not (release or args.finetune or args.no_load_optim)
     load_rng = not (release or args.finetune or args.no_load_rng)
-    state_dict = load_sharded(args, model, optimizer, opt_param_scheduler, base_dir, load_optim, load_rng,
-                              _local_rng_state(), strict)
+    loader = load_sharded if ckpt_format == "torch_dist" else load_torch_dcp
+    state_dict = loader(args, model, optimizer, opt_param_scheduler, base_dir, load_optim, load_rng,
+                        _local_rng_state(), strict)
     set_checkpoint_version(state_dict.get("checkpoint_version", 0))
     if args.finetune or release:
         iteration = 0
@@ -649,11 +675,15 @@ def _load_torch_dist(args, model, optimizer, opt_param_scheduler, load_dir, base
         raise RuntimeError(f"checkpoint {base_dir} has no 'iteration' entry; pass --finetune to load only the weights.")
     else:
         iteration = state_dict["iteration"]
-    _restore_args_state(args, state_dict, compare_parallel_sizes=False)
+    _restore_args_state(args, state_dict, compare_parallel_sizes=ckpt_format == "torch_dcp")
     if not load_optim and (args.fp16 or args.bf16) and optimizer is not None:
         optimizer.reload_model_params()
     if "rng_state" in state_dict:
-        _set_rng_state(state_dict["rng_state"][0])
+        states = state_dict["rng_state"]
+        # torch_dist files this framework wrote before ShardedObjects were stored as Megatron's `[data]`.
+        states = [states] if isinstance(states, dict) else states
+        _set_rng_state(states[mpu.get_data_parallel_rank() if args.data_parallel_random_init and len(states) > 1
+                              else 0])
     _barrier()
     _report_loaded(load_dir, iteration)
     return iteration, state_dict.get("num_floating_point_operations_so_far", 0)

@@ -1,4 +1,5 @@
-"""Distributed (`torch_dist`) checkpoints of the training loop: save (sync or async), load, format detection.
+"""Distributed checkpoints of the training loop: `torch_dist` (save sync or async, load at any layout),
+plain `torch_dcp`, and format detection.
 
 Layout (spec §4c): `<save>/iter_{:07d}/` with `common.pt`, `.metadata`, `__{rank}_{k}.distcp` and
 `metadata.json` (written last by `megatron.core.dist_checkpointing`). The state dict is Megatron's
@@ -12,8 +13,17 @@ finalize step has written `metadata.json`, rank 0 renames the directory to `iter
 replaces the tracker. With --async-save that happens in the request's finalize callback, which the
 training loop runs (`maybe_finalize_async_save`) once every rank's background write is done. A writer
 killed at any point leaves the previous checkpoint and the tracker untouched.
+
+`torch_dcp` (Megatron's FSDP2 format): `torch.distributed.checkpoint.save` of Megatron's state dict with plain
+(non-sharded-API) values: `model` from `state_dict_for_save_checkpoint()` (DTensors under FSDP2),
+`optimizer.state_dict()`, the scheduler, `rng_state` (the legacy list), args, iteration and FLOPs, all in
+`.metadata` + `__{rank}_{k}.distcp` (no `common.pt`, no `metadata.json`). Plain tensors with one key on
+several ranks are stored once, so the layout needs TP = PP = EP = 1 and no distributed optimizer; FSDP2's
+DTensors are stored by global offsets (an FSDP2 checkpoint loads at another DP size, or into plain DDP).
+Published like the other formats: temp dir, rename, tracker last.
 """
 import argparse
+import copy
 import os
 from typing import Any, Callable, Dict, Optional
 
@@ -23,9 +33,11 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies import torch_dcp
+from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-from megatron.core.optimizer.sharded_state import SHARDING_TYPE
+from megatron.core.optimizer.sharded_state import DP_ZERO_SHARDING_TYPE, SHARDING_TYPE, SHARDING_TYPE_KEY, ensure_state
 from megatron.training.checkpoint_args import args_to_plain_dict, plain_dict_to_args
 from megatron.training.utils import print_rank_0, unwrap_model
 
@@ -76,7 +88,8 @@ def _model_sharded_state_dicts(model) -> Dict[str, Dict]:
 
 def generate_sharded_state_dict(args, model, optimizer, opt_param_scheduler, rng_state: Optional[ShardedObject],
                                 iteration: Optional[int] = None, is_loading: bool = False,
-                                include_optimizer: bool = True, num_flops: float = 0.0) -> Dict[str, Any]:
+                                include_optimizer: bool = True, num_flops: float = 0.0,
+                                optim_sd_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Megatron's `generate_state_dict` for torch_dist (sharded model and optimizer state)."""
     state_dict: Dict[str, Any] = {"args": args_to_plain_dict(args), "checkpoint_version": 3.0,
                                   "num_floating_point_operations_so_far": float(num_flops)}
@@ -86,7 +99,7 @@ def generate_sharded_state_dict(args, model, optimizer, opt_param_scheduler, rng
     state_dict.update(model_sds)
     if include_optimizer:
         if optimizer is not None and not getattr(optimizer, "is_stub_optimizer", False):
-            state_dict["optimizer"] = optimizer.sharded_state_dict(model_sds, is_loading)
+            state_dict["optimizer"] = optimizer.sharded_state_dict(model_sds, is_loading, **(optim_sd_kwargs or {}))
         if opt_param_scheduler is not None:
             state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if rng_state is not None:
@@ -153,12 +166,71 @@ def checkpoint_tp_pp(common: Dict[str, Any]):
             getattr(ckpt_args, "pipeline_model_parallel_size", None))
 
 
+def optimizer_sharding_type(common: Dict[str, Any]) -> str:
+    """The layout of the optimizer state in a torch_dist checkpoint: `content_metadata` first, then the
+    `param_state_sharding_type` Megatron stores beside the optimizer's common state."""
+    stored = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    optimizer_common = common.get("optimizer")
+    if stored is None and isinstance(optimizer_common, dict):
+        stored = optimizer_common.get(SHARDING_TYPE_KEY)
+    return stored or SHARDING_TYPE
+
+
+def nd_flattened_keys(checkpoint_dir: str) -> list:
+    """Keys Megatron-LM stored as N-D flattened tensors: its distributed optimizer's model-space state, kept as
+    `(*axis_fragmentations, numel of the local chunk)` and marked by `mcore_data[key]
+    ["nd_reformulated_orig_global_shape"]` in `.metadata`."""
+    mcore_data = getattr(read_dcp_metadata(checkpoint_dir), "mcore_data", None) or {}
+    return sorted(k for k, v in mcore_data.items() if isinstance(v, dict) and "nd_reformulated_orig_global_shape" in v)
+
+
+def check_optimizer_layout(args, common: Dict[str, Any], checkpoint_dir: str, run_tp_pp,
+                           flattened_keys=()) -> Dict[str, Any]:
+    """The `optimizer.sharded_state_dict` arguments that read the optimizer state of a torch_dist checkpoint
+    whose `common.pt` is `common`, for a run at (TP, PP) `run_tp_pp`; raises RuntimeError naming the layout
+    and the fix when this run cannot read it (`flattened_keys`: `nd_flattened_keys(checkpoint_dir)`)."""
+    sharding_type = optimizer_sharding_type(common)
+    if sharding_type == SHARDING_TYPE and flattened_keys:
+        fix = ("pass --no-load-optim to load the weights only, or load it at the saved TP size with "
+               "--use-distributed-optimizer and re-save it here (this framework's layout reshards)")
+        saved_tp = checkpoint_tp_pp(common)[0] if checkpoint_tp_pp(common) else None
+        if saved_tp != run_tp_pp[0]:
+            raise RuntimeError(
+                f"checkpoint {checkpoint_dir} holds Megatron-LM's distributed-optimizer state as N-D flattened "
+                f"tensors (e.g. {flattened_keys[0]!r}), which are read only at the tensor-parallel size they were "
+                f"saved with ({saved_tp}; this run: {run_tp_pp[0]}): {fix}.")
+        if not args.use_distributed_optimizer:
+            raise RuntimeError(
+                f"checkpoint {checkpoint_dir} holds Megatron-LM's distributed-optimizer state as N-D flattened "
+                f"tensors (e.g. {flattened_keys[0]!r}), which only the distributed optimizer reads: {fix}.")
+        return {"sharding_type": SHARDING_TYPE, "nd_flattened": True}
+    if sharding_type == SHARDING_TYPE:
+        return {"sharding_type": sharding_type}
+    if sharding_type != DP_ZERO_SHARDING_TYPE:
+        raise RuntimeError(f"checkpoint {checkpoint_dir} holds distributed-optimizer state in the {sharding_type!r} "
+                           f"layout, which this framework does not read: pass --no-load-optim to load the weights "
+                           f"only.")
+    fix = (f"load it with the TP/PP sizes it was saved with ({checkpoint_tp_pp(common)}) and "
+           f"--use-distributed-optimizer, then re-save with --ckpt-fully-parallel-save (the default, layout "
+           f"'{SHARDING_TYPE}', reshardable); or pass --no-load-optim to load the weights only")
+    if checkpoint_tp_pp(common) != tuple(run_tp_pp):
+        raise RuntimeError(
+            f"checkpoint {checkpoint_dir} holds distributed-optimizer state in Megatron's '{DP_ZERO_SHARDING_TYPE}' "
+            f"layout (saved with --no-ckpt-fully-parallel-save), which cannot be resharded from TP/PP "
+            f"{checkpoint_tp_pp(common)} to {tuple(run_tp_pp)}: {fix}.")
+    if not args.use_distributed_optimizer:
+        raise RuntimeError(
+            f"checkpoint {checkpoint_dir} holds distributed-optimizer state in Megatron's '{DP_ZERO_SHARDING_TYPE}' "
+            f"layout, which only the distributed optimizer reads: {fix}.")
+    return {"sharding_type": sharding_type}
+
+
 def load_sharded(args, model, optimizer, opt_param_scheduler, checkpoint_dir: str, load_optim: bool,
                  load_rng: bool, local_rng_state: Dict, strict: bool = True):
     """Load a torch_dist checkpoint into `model` (and optimizer, RNG when asked). Returns the loaded dict."""
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
-    same_layout = checkpoint_tp_pp(common) == (mpu.get_tensor_model_parallel_world_size(),
-                                               mpu.get_pipeline_model_parallel_world_size())
+    run_tp_pp = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
+    same_layout = checkpoint_tp_pp(common) == run_tp_pp
     if load_rng and not same_layout:
         print_rank_0(f"  the checkpoint was saved with TP/PP {checkpoint_tp_pp(common)}; not loading the RNG state")
         load_rng = False
@@ -169,9 +241,13 @@ def load_sharded(args, model, optimizer, opt_param_scheduler, checkpoint_dir: st
     if load_optim and "optimizer" not in common:
         raise RuntimeError(f"checkpoint {checkpoint_dir} has no optimizer state: pass --no-load-optim or --finetune "
                            f"to load only the weights.")
+    optim_sd_kwargs = None
+    if load_optim and _with_optimizer(optimizer):
+        optim_sd_kwargs = check_optimizer_layout(args, common, checkpoint_dir, run_tp_pp,
+                                                 nd_flattened_keys(checkpoint_dir))
     rng = sharded_rng_state(args, local_rng_state) if load_rng else None
     request = generate_sharded_state_dict(args, model, optimizer, opt_param_scheduler, rng, is_loading=True,
-                                          include_optimizer=load_optim)
+                                          include_optimizer=load_optim, optim_sd_kwargs=optim_sd_kwargs)
     for name in ("args", "checkpoint_version", "num_floating_point_operations_so_far", "opt_param_scheduler"):
         request.pop(name, None)
     loaded = dist_checkpointing.load(request, checkpoint_dir, strict=args.dist_ckpt_strictness)
@@ -196,8 +272,131 @@ def read_checkpoint_args(checkpoint_dir: str) -> Optional[argparse.Namespace]:
     return checkpoint_args_namespace(common["args"]) if "args" in common else None
 
 
+def torch_dcp_layout_problems(args, with_optimizer: bool) -> list:
+    """Why this run's layout cannot be stored as plain `torch_dcp` (empty when it can)."""
+    problems = []
+    for flag, name in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                       ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+                       ("--expert-model-parallel-size", "expert_model_parallel_size")):
+        value = getattr(args, name, 1) or 1
+        if value > 1:
+            problems.append(f"{flag} is {value}: torch_dcp stores each rank's plain state dict, whose keys repeat "
+                            f"on every model-parallel rank")
+    if with_optimizer and getattr(args, "use_distributed_optimizer", False):
+        problems.append("--use-distributed-optimizer: its optimizer state lives outside optimizer.state_dict(), "
+                        "which is what torch_dcp stores")
+    return problems
+
+
+def _check_torch_dcp_layout(args, with_optimizer: bool, action: str) -> None:
+    problems = torch_dcp_layout_problems(args, with_optimizer)
+    if problems:
+        raise ValueError(f"--ckpt-format torch_dcp cannot {action} this run: " + "; ".join(problems)
+                         + ". Use --ckpt-format torch_dist (reshardable, any layout) or --ckpt-format torch.")
+
+
+def _plain_model_state(chunk) -> Dict[str, Any]:
+    to_save = getattr(chunk, "state_dict_for_save_checkpoint", None)
+    return to_save() if to_save is not None else chunk.state_dict()
+
+
+def _with_optimizer(optimizer) -> bool:
+    return optimizer is not None and not getattr(optimizer, "is_stub_optimizer", False)
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Zero state for every param without state, so a request has every tensor the checkpoint holds."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not getattr(opt, "is_stub_optimizer", False) and getattr(opt, "optimizer", None) is not None:
+            ensure_state(opt.optimizer, getattr(opt, "init_state_fn", None), getattr(opt, "config", None))
+
+
+def save_torch_dcp(args, model, optimizer, opt_param_scheduler, rng_state: Optional[list], iteration: int,
+                   num_flops: float, checkpoint_dir: str, publish_fn: Callable[[], None]) -> None:
+    """Write Megatron's torch_dcp state dict into `checkpoint_dir` (collective), then `publish_fn()`."""
+    include_optimizer = not args.no_save_optim
+    _check_torch_dcp_layout(args, include_optimizer and _with_optimizer(optimizer), "save")
+    chunks = unwrap_model(model)
+    state_dict: Dict[str, Any] = {"args": args_to_plain_dict(args), "checkpoint_version": 3.0, "iteration": iteration,
+                                  "num_floating_point_operations_so_far": float(num_flops or 0.0),
+                                  "model": _plain_model_state(chunks[0])}
+    if include_optimizer:
+        if _with_optimizer(optimizer):
+            state_dict["optimizer"] = optimizer.state_dict()
+        if opt_param_scheduler is not None:
+            state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if rng_state is not None:
+        state_dict["rng_state"] = rng_state
+    torch_dcp.save_state_dict(state_dict, checkpoint_dir)
+    publish_fn()
+
+
+def _has_prefix(keys, prefix: str) -> bool:
+    return any(key == prefix or key.startswith(prefix + ".") for key in keys)
+
+
+def _placeholders(keys, name: str) -> Any:
+    """A request for the stored entry `name`: None for one bytes item (Megatron's pickled Namespace), or
+    nested dicts of None mirroring the flattened keys `name.a.b` (our args stored as a plain dict)."""
+    if name in keys:
+        return None
+    request: Dict[str, Any] = {}
+    for key in sorted(k for k in keys if k.startswith(name + ".")):
+        node = request
+        *parents, leaf = key[len(name) + 1:].split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = None
+    return request
+
+
+def load_torch_dcp(args, model, optimizer, opt_param_scheduler, checkpoint_dir: str, load_optim: bool,
+                   load_rng: bool, local_rng_state: Dict, strict: bool = True) -> Dict[str, Any]:
+    """Load a plain torch_dcp checkpoint into `model` (and optimizer, scheduler when asked). Returns the
+    loaded state dict (`args`, `iteration`, ..., `rng_state` only when it is to be restored)."""
+    load_optim = load_optim and _with_optimizer(optimizer)
+    _check_torch_dcp_layout(args, load_optim, "load")
+    keys = torch_dcp.stored_keys(checkpoint_dir)
+    request: Dict[str, Any] = {name: _placeholders(keys, name) for name in (
+        "args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far") if _has_prefix(keys, name)}
+    chunks = unwrap_model(model)
+    request["model"] = _plain_model_state(chunks[0])
+    if load_optim:
+        if not _has_prefix(keys, "optimizer"):
+            raise RuntimeError(f"checkpoint {checkpoint_dir} has no optimizer state: pass --no-load-optim or "
+                               f"--finetune to load only the weights.")
+        _init_optimizer_state(optimizer)
+        request["optimizer"] = optimizer.state_dict()
+        if opt_param_scheduler is not None and _has_prefix(keys, "opt_param_scheduler"):
+            request["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    num_rng = len({key.split(".")[1] for key in keys if key.startswith("rng_state.")})
+    if load_rng and num_rng == 0:
+        print_rank_0(f"  {checkpoint_dir} has no RNG state (saved with --no-save-rng); not loading it")
+    elif load_rng:
+        request["rng_state"] = [copy.deepcopy(local_rng_state) for _ in range(num_rng)]
+    torch_dcp.load_state_dict(request, checkpoint_dir)
+    chunks[0].load_state_dict(request["model"], strict=strict)
+    if "optimizer" in request:
+        optimizer.load_state_dict(request["optimizer"])
+    if "opt_param_scheduler" in request:
+        opt_param_scheduler.load_state_dict(request["opt_param_scheduler"])
+    return request
+
+
+def read_torch_dcp_args(checkpoint_dir: str):
+    """(args Namespace, iteration) of a torch_dcp checkpoint, read in this process alone (no collectives)."""
+    keys = torch_dcp.stored_keys(checkpoint_dir)
+    request = {name: _placeholders(keys, name) for name in ("args", "iteration") if _has_prefix(keys, name)}
+    if "args" not in request:
+        raise RuntimeError(f"{checkpoint_dir} has no 'args' entry: --use-checkpoint-args cannot use it.")
+    torch_dcp.load_state_dict(request, checkpoint_dir, no_dist=True)
+    return checkpoint_args_namespace(request["args"]), request.get("iteration", 0)
+
+
 __all__ = [
+    "torch_dcp_layout_problems", "save_torch_dcp", "load_torch_dcp", "read_torch_dcp_args",
     "get_checkpoint_format", "checkpoint_args_namespace", "sharded_rng_state", "generate_sharded_state_dict",
-    "content_metadata", "get_async_queue", "maybe_finalize_async_save", "is_empty_async_queue", "save_sharded",
+    "content_metadata", "optimizer_sharding_type", "check_optimizer_layout", "nd_flattened_keys", "get_async_queue",
+    "maybe_finalize_async_save", "is_empty_async_queue", "save_sharded",
     "load_sharded", "read_checkpoint_args", "checkpoint_tp_pp",
 ]

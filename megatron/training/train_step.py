@@ -4,7 +4,8 @@ Loss reporting follows Megatron exactly: each microbatch's loss dict carries `[l
 the per-iteration value is Σloss / Σtokens over the whole global batch (summed over microbatches, then
 all-reduced over DP×CP). Values stay on the device; the training log reads them at log intervals only.
 
-Host synchronisation note: nothing here reads a device value back to the host. The grad norm and the
+Host synchronisation note: nothing here reads a device value back to the host except the deferred
+NaN/Inf checks of two iterations back (`megatron.core.deferred_checks`, one read of finished work). The grad norm and the
 zero count come back from `optimizer.step()` as 0-dim device tensors and are MAX-reduced over the
 model-parallel group on the device (`stat_to_host` turns them into numbers at log time). The
 "did every model-parallel rank update" AND needs the host (it decides the LR-scheduler step), so it
@@ -17,6 +18,7 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.deferred_checks import get_deferred_checks
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training.global_vars import get_args, get_timers
 
@@ -136,6 +138,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     args = get_args()
     timers = get_timers()
     rerun_state_machine = get_rerun_state_machine()
+    get_deferred_checks().step()  # NaN/Inf checks of two iterations back: no wait for the GPU
     losses_reduced = []
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         for model_chunk in model:

@@ -24,6 +24,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.deferred_checks import get_deferred_checks
 from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
@@ -328,6 +329,7 @@ def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, n
     timers = get_timers()
     timers("interval-time").stop()
     timer_key = "save-checkpoint-non-persistent" if non_persistent_ckpt else "save-checkpoint"
+    get_deferred_checks().flush()
     timers(timer_key, log_level=0).start(barrier=True)
     if should_disable_forward_pre_hook(args):
         for chunk in model:
@@ -511,6 +513,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     state = _TrainLoopState(args)
     get_rerun_state_machine().current_iteration = state.iteration
     _configure_grad_sync(config, model, optimizer, args)
+    deferred_checks = get_deferred_checks()
+    deferred_checks.enabled = _device().type == "cuda"
     timers("interval-time", log_level=0).start(barrier=True)
     print_datetime("before the start of training step")
     forward_backward_func = get_forward_backward_func()
@@ -552,6 +556,8 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             should_exit = True
             break
     hooks.close()
+    deferred_checks.flush()
+    deferred_checks.enabled = False
     maybe_finalize_async_save(blocking=True)
     writer = get_tensorboard_writer()
     if writer:

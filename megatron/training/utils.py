@@ -206,7 +206,12 @@ def get_batch_on_this_tp_rank(data_iterator):
     args = get_args()
     device = _device()
     keys = _stage_keys(args)
-    create_mask = getattr(args, "create_attention_mask_in_dataloader", True)
+    # Without --reset-attention-mask the dataloader's mask is the plain causal mask, which every causal
+    # GPT layer applies by itself (SDPA's causal kernel): it is not copied to the GPU or broadcast over
+    # TP ([mbs, 1, s, s] bool, 32 MB at micro-batch 8 and sequence 2048). The model sees None, as with
+    # --no-create-attention-mask-in-dataloader.
+    create_mask = getattr(args, "create_attention_mask_in_dataloader", True) and bool(
+        getattr(args, "reset_attention_mask", False))
     mbs, seq = args.micro_batch_size, args.seq_length
     shapes = {
         "tokens": ((mbs, seq), torch.int64),

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.deferred_checks import get_deferred_checks
 from megatron.core.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallel, param_and_grad_buffer
 from tests.harness import run_on_ranks
 from tests.unit.distributed import dp_gpt, dp_toy
@@ -126,6 +127,22 @@ def _check_nan_detection():
     model.final_scale.main_grad[0] = float("nan")
     with pytest.raises(RuntimeError, match=f"Rank {dist.get_rank()}: found NaN in local grad norm"):
         ddp.finish_grad_sync()
+
+    deferred = get_deferred_checks()  # the CUDA behaviour: no host read until flush()
+    deferred.enabled, deferred.device_types = True, ("cpu",)
+    try:
+        ddp.zero_grad_buffer()
+        total, _ = dp_toy.microbatch_loss(ddp, dp_toy.global_batches(1, 2)[0]["tokens"], torch.ones(2, dp_toy.SEQ))
+        total.backward()
+        model.final_scale.main_grad[0] = float("inf")
+        ddp.finish_grad_sync()
+        assert deferred.pending() == len(ddp.bucket_groups)
+        with pytest.raises(RuntimeError, match=r"found Inf in local grad norm for bucket #\d+ .*final_scale"):
+            deferred.flush()
+        assert deferred.pending() == 0
+    finally:
+        deferred.enabled, deferred.device_types = False, ("cuda",)
+        deferred.clear()
 
     param_and_grad_buffer._LARGE_GRAD_WINDOW = 2
     model, ddp, _ = dp_toy.build(dict(check_for_large_grads=True))

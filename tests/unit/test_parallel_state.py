@@ -28,27 +28,14 @@ def _group_of(coords, rank, dims):
     return sorted(r for r, c in coords.items() if all(c[d] == me[d] for d in c if d not in dims))
 
 
-def _check_layout(tp, pp, cp, ep, etp, order, vp, instances, hcp):
+def _ranks(group):
     import torch.distributed as dist
 
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import GradCommProcessGroups, ModelCommProcessGroups
+    return sorted(dist.get_process_group_ranks(group))
 
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
-        context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, order=order,
-        num_distributed_optimizer_instances=instances, hierarchical_context_parallel_sizes=hcp,
-    )
-    world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world // (tp * pp * cp)
-    dense = _layout({"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}, order)
-    edp = world // (etp * ep * pp)
-    expert = _layout({"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}, order)
-    me = dense[rank]
 
-    def ranks(group):
-        return sorted(dist.get_process_group_ranks(group))
-
+def _check_groups(ps, dense, expert, rank):
+    """Every group getter against the layout computed independently; returns the expected groups."""
     expected = {
         "tp": _group_of(dense, rank, {"tp"}), "pp": _group_of(dense, rank, {"pp"}),
         "dp": _group_of(dense, rank, {"dp"}), "cp": _group_of(dense, rank, {"cp"}),
@@ -70,8 +57,13 @@ def _check_layout(tp, pp, cp, ep, etp, order, vp, instances, hcp):
         "expt_dp": ps.get_expert_data_parallel_group(),
     }
     for name, group in got.items():
-        assert ranks(group) == expected[name], (name, ranks(group), expected[name])
-    # sizes and ranks
+        assert _ranks(group) == expected[name], (name, _ranks(group), expected[name])
+    return expected
+
+
+def _check_sizes_and_ranks(ps, expected, me, expert, rank, sizes):
+    """World sizes, ranks, source ranks and pipeline neighbours."""
+    tp, pp, cp, dp, ep, etp, edp = sizes
     assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_tensor_model_parallel_rank() == me["tp"]
     assert ps.get_pipeline_model_parallel_world_size() == pp and ps.get_pipeline_model_parallel_rank() == me["pp"]
     assert ps.get_data_parallel_world_size() == dp and ps.get_data_parallel_rank() == me["dp"]
@@ -96,12 +88,16 @@ def _check_layout(tp, pp, cp, ep, etp, order, vp, instances, hcp):
     assert ps.get_pipeline_model_parallel_prev_rank() == pp_ranks[(me["pp"] - 1) % pp]
     assert ps.get_context_parallel_global_ranks() == expected["cp"]
     assert ps.get_data_parallel_global_ranks(with_context_parallel=True) == expected["dp_cp"]
-    # embedding groups
+
+
+def _check_stages(ps, expected, me, rank, pp, vp):
+    """Embedding groups and first/last (virtual) stage predicates."""
+    pp_ranks = expected["pp"]
     embd = [pp_ranks[0], pp_ranks[-1]] if pp > 1 else [pp_ranks[0]]
     assert ps.is_rank_in_embedding_group() == (rank in embd)
     assert ps.is_rank_in_position_embedding_group() == (rank == pp_ranks[0])
-    assert ranks(ps.get_embedding_group()) == embd if rank in embd else True
-    assert ranks(ps.get_position_embedding_group()) == [pp_ranks[0]] if rank == pp_ranks[0] else True
+    assert _ranks(ps.get_embedding_group()) == embd if rank in embd else True
+    assert _ranks(ps.get_position_embedding_group()) == [pp_ranks[0]] if rank == pp_ranks[0] else True
     # stages
     assert ps.is_pipeline_first_stage() == (me["pp"] == 0)
     assert ps.is_pipeline_last_stage() == (me["pp"] == pp - 1)
@@ -116,22 +112,48 @@ def _check_layout(tp, pp, cp, ep, etp, order, vp, instances, hcp):
         assert ps.is_pipeline_last_stage(ignore_virtual=False) == (me["pp"] == pp - 1)
         if rank in embd and pp > 1 and rank == pp_ranks[0]:
             assert not ps.is_rank_in_embedding_group(ignore_virtual=False)
-    # amax, gloo twins, partial DP
-    assert ranks(ps.get_amax_reduction_group()) == expected["tp_dp"]
-    assert ranks(ps.get_amax_reduction_group(tp_only_amax_red=True)) == expected["tp"]
-    assert ranks(ps.get_data_parallel_group_gloo()) == expected["dp"]
-    assert ranks(ps.get_data_parallel_group_gloo(with_context_parallel=True)) == expected["dp_cp"]
-    assert ranks(ps.get_expert_data_parallel_group_gloo()) == expected["expt_dp"]
+
+
+def _check_twins_and_partial_dp(ps, expected, rank, instances, hcp):
+    """amax groups, gloo twins, partial data-parallel and hierarchical context-parallel groups."""
+    assert _ranks(ps.get_amax_reduction_group()) == expected["tp_dp"]
+    assert _ranks(ps.get_amax_reduction_group(tp_only_amax_red=True)) == expected["tp"]
+    assert _ranks(ps.get_data_parallel_group_gloo()) == expected["dp"]
+    assert _ranks(ps.get_data_parallel_group_gloo(with_context_parallel=True)) == expected["dp_cp"]
+    assert _ranks(ps.get_expert_data_parallel_group_gloo()) == expected["expt_dp"]
     dp_cp = expected["dp_cp"]
     size = len(dp_cp) // instances
     intra = [dp_cp[i * size:(i + 1) * size] for i in range(instances)]
     mine = next(g for g in intra if rank in g)
-    assert ranks(ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)) == mine
+    assert _ranks(ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)) == mine
     if instances > 1:
-        assert ranks(ps.get_inter_partial_data_parallel_group()) == sorted(dp_cp[dp_cp.index(rank) % size::size])
+        assert _ranks(ps.get_inter_partial_data_parallel_group()) == sorted(dp_cp[dp_cp.index(rank) % size::size])
     if hcp:
         levels = ps.get_hierarchical_context_parallel_groups()
-        assert [len(ranks(g)) for g in levels] == list(hcp)
+        assert [len(_ranks(g)) for g in levels] == list(hcp)
+
+
+def _check_layout(tp, pp, cp, ep, etp, order, vp, instances, hcp):
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import GradCommProcessGroups, ModelCommProcessGroups
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+        context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, order=order,
+        num_distributed_optimizer_instances=instances, hierarchical_context_parallel_sizes=hcp,
+    )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // (tp * pp * cp)
+    dense = _layout({"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}, order)
+    edp = world // (etp * ep * pp)
+    expert = _layout({"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}, order)
+    me = dense[rank]
+    expected = _check_groups(ps, dense, expert, rank)
+    _check_sizes_and_ranks(ps, expected, me, expert, rank, (tp, pp, cp, dp, ep, etp, edp))
+    _check_stages(ps, expected, me, rank, pp, vp)
+    _check_twins_and_partial_dp(ps, expected, rank, instances, hcp)
     # a real collective on the groups
     value = torch.tensor([float(rank)])
     torch.distributed.all_reduce(value, group=ps.get_tensor_model_parallel_group())
@@ -141,10 +163,10 @@ def _check_layout(tp, pp, cp, ep, etp, order, vp, instances, hcp):
     assert value.item() == sum(expected["dp_cp"])
     # process-group bundles
     model_pgs = ModelCommProcessGroups.use_mpu_process_groups()
-    assert ranks(model_pgs.tp) == expected["tp"] and ranks(model_pgs.pp) == expected["pp"]
-    assert ranks(model_pgs.tp_ep_pp) == expected["tp_ep_pp"]
+    assert _ranks(model_pgs.tp) == expected["tp"] and _ranks(model_pgs.pp) == expected["pp"]
+    assert _ranks(model_pgs.tp_ep_pp) == expected["tp_ep_pp"]
     grad_pgs = GradCommProcessGroups.use_mpu_process_groups(["dp", "dp_cp", "expt_dp"])
-    assert ranks(grad_pgs.dp_cp) == expected["dp_cp"]
+    assert _ranks(grad_pgs.dp_cp) == expected["dp_cp"]
     assert ps.model_parallel_is_initialized()
     ps.destroy_model_parallel()
     assert not ps.model_parallel_is_initialized()

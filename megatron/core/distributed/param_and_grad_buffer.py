@@ -19,6 +19,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.deferred_checks import get_deferred_checks, not_finite
+
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 
 # Buckets whose local gradient norm exceeds this multiple of the largest norm seen during the first
@@ -151,16 +153,25 @@ class _ParamAndGradBucketGroup:
         return shards[self.intra_distributed_optimizer_instance_rank]
 
     def check_grads(self, check_for_nan_in_grad: bool, check_for_large_grads: bool):
-        """Raise if a bucket's local (not yet reduced) gradients hold NaN/Inf or an unexpectedly large norm."""
+        """Raise if a bucket's local (not yet reduced) gradients hold NaN/Inf or an unexpectedly large norm.
+
+        The NaN/Inf check alone on CUDA is deferred (`megatron.core.deferred_checks`): no host sync here.
+        """
+        if not self.buckets:
+            return
         rank = dist.get_rank()
-        for bucket in self.buckets:
-            norm = torch.linalg.vector_norm(bucket.grad_data, ord=2, dtype=torch.float32).item()
+        if len(self.buckets) == 1:
+            norms = torch.linalg.vector_norm(self.buckets[0].grad_data, ord=2, dtype=torch.float32).reshape(1)
+        else:
+            norms = torch.stack([torch.linalg.vector_norm(b.grad_data, ord=2, dtype=torch.float32)
+                                 for b in self.buckets])  # n x [] -> [n]
+        deferred = get_deferred_checks()
+        if check_for_nan_in_grad and not check_for_large_grads and deferred.should_defer(norms):
+            deferred.add(norms, lambda: self._first_nonfinite_message(rank, norms), predicate=not_finite)
+            return
+        for bucket, norm in zip(self.buckets, norms.tolist()):
             if check_for_nan_in_grad and not math.isfinite(norm):
-                raise RuntimeError(
-                    f"Rank {rank}: found {'NaN' if math.isnan(norm) else 'Inf'} in local grad norm for bucket "
-                    f"#{bucket.bucket_id} in backward pass before data-parallel communication collective "
-                    f"(parameters: {self._bucket_param_names(bucket)})"
-                )
+                raise RuntimeError(self._nonfinite_message(rank, bucket, norm))
             if check_for_large_grads and math.isfinite(norm):
                 history = self._checked_grad_norms
                 if len(history) >= _LARGE_GRAD_WINDOW and norm > _LARGE_GRAD_FACTOR * max(history):
@@ -172,6 +183,17 @@ class _ParamAndGradBucketGroup:
                 if len(history) < _LARGE_GRAD_WINDOW:
                     history.append(norm)
 
+    def _first_nonfinite_message(self, rank: int, norms: torch.Tensor) -> str:
+        """The error of a deferred NaN/Inf check: the first bucket whose norm (read now) is not finite."""
+        values = norms.tolist()
+        index = next(i for i, v in enumerate(values) if not math.isfinite(v))
+        return self._nonfinite_message(rank, self.buckets[index], values[index])
+
+    def _nonfinite_message(self, rank: int, bucket, norm: float) -> str:
+        return (f"Rank {rank}: found {'NaN' if math.isnan(norm) else 'Inf'} in local grad norm for bucket "
+                f"#{bucket.bucket_id} in backward pass before data-parallel communication collective "
+                f"(parameters: {self._bucket_param_names(bucket)})")
+
     def _bucket_param_names(self, bucket) -> str:
         names = [self.param_to_name.get(p, f"<param {tuple(p.shape)}>") for p in bucket.params_list]
         return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
@@ -182,12 +204,15 @@ class _ParamAndGradBucketGroup:
             raise RuntimeError("Should not have multiple gradient communication calls outstanding at once")
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
             self.check_grads(self.ddp_config.check_for_nan_in_grad, self.ddp_config.check_for_large_grads)
-        for bucket in self.buckets:
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data.mul_(bucket.gradient_scaling_factor)
         group = self.intra_distributed_optimizer_instance_group
         op = dist.ReduceOp.SUM
         self._pending_average_divisor = 1
+        if self._scaling_is_average(group):
+            op = dist.ReduceOp.AVG  # NCCL divides inside the collective: no separate pass over the buffer
+        else:
+            for bucket in self.buckets:
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data.mul_(bucket.gradient_scaling_factor)
         if self.ddp_config.average_in_collective:
             if _native_avg(group):
                 op = dist.ReduceOp.AVG
@@ -203,6 +228,13 @@ class _ParamAndGradBucketGroup:
                 self.grad_reduce_handles.append(handle)
         if not async_op:
             self._complete_grad_sync()
+
+    def _scaling_is_average(self, group) -> bool:
+        """True when every bucket's pre-scaling is exactly 1/group size and NCCL can average natively."""
+        if not self.buckets or self.ddp_config.average_in_collective or not _native_avg(group):
+            return False
+        size = self.intra_distributed_optimizer_instance_size
+        return size > 1 and all(b.gradient_scaling_factor * size == 1.0 for b in self.buckets)
 
     def _complete_grad_sync(self):
         """Work that must follow the intra-instance collectives: the cross-instance all-reduce and AVG."""

@@ -1,7 +1,8 @@
 """`TorchFullyShardedDataParallel`: PyTorch FSDP2 (`fully_shard`) behind the DDP wrapper's interface.
 
 Each transformer layer (and embedding / rotary / column-parallel output layer) becomes one FSDP unit so
-its parameters are all-gathered just in time; the root module is wrapped last. Gradients are
+its parameters are all-gathered just in time; units nested in another unit (the linears of a layer) stay
+part of the outer one; the root module is wrapped last. Gradients are
 reduce-scattered by FSDP's own backward hooks, so `finish_grad_sync` only waits for them; `no_sync`
 maps to `set_requires_gradient_sync(False)`. Parameters become DTensors sharded over the DP x CP group;
 Megatron's parameter attributes (`tensor_model_parallel`, `shared`, ...) are carried over.
@@ -37,6 +38,19 @@ def _is_unit(module: torch.nn.Module, classes: Set[type], names: Set[str]) -> bo
     if classes and isinstance(module, tuple(classes)):
         return True
     return any(cls.__name__ in names for cls in type(module).__mro__)
+
+
+def _outermost_units(root: torch.nn.Module, classes: Set[type], names: Set[str]):
+    """Unit modules below `root` in forward (pre-)order, skipping units nested in another unit (a
+    transformer layer's column-parallel linears belong to the layer's unit)."""
+    chosen = []
+    for name, module in root.named_modules():
+        if module is root or not _is_unit(module, classes, names):
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in chosen):
+            continue
+        chosen.append((name, module))
+    return [module for _, module in chosen]
 
 
 class TorchFullyShardedDataParallel(_BaseDataParallel):
@@ -82,9 +96,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         saved_attrs = {name: dict(vars(param)) for name, param in self.module.named_parameters()}
         recompute = getattr(config, "recompute_granularity", None) is not None
         previous = None
-        for sub_module in list(self.module.modules()):
-            if sub_module is self.module or not _is_unit(sub_module, classes, names):
-                continue
+        for sub_module in _outermost_units(self.module, classes, names):
             fully_shard(sub_module, **kwargs)
             if recompute:
                 # Recompute reorders backward; pin the prefetch order to the layer order.

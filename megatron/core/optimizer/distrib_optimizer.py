@@ -15,6 +15,13 @@ Checkpoints: `state_dict()` holds only param_groups (+ the per-param Adam `step`
 tensors go through `get_parameter_state_dp_zero()` into `distrib_optim.pt` (legacy format), one fp32
 `param`/`exp_avg`/`exp_avg_sq` tensor per buffer and dtype in buffer order without bucket padding,
 gathered on DP rank 0 over the gloo DP group. Everything loads with `torch.load(weights_only=True)`.
+
+Distributed checkpoints: `sharded_state_dict()` gives the model-space layout (`fully_sharded_model_space`,
+reshardable) by default. With `sharding_type="dp_zero_gather_scatter"` (or `metadata=
+{"distrib_optim_sharding_type": ...}`) it gives Megatron's layout for `--no-ckpt-fully-parallel-save`:
+ShardedObjects `optimizer.distributed.dp_group_idx_{model-parallel rank}.{optimizer,grad_scaler}` (replica_id =
+DP rank) and `....param_state` (the `get_parameter_state_dp_zero()` dict, written by DP rank 0), which loads only
+at the TP/PP it was saved with.
 """
 import copy
 import itertools
@@ -23,8 +30,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _timed
-from megatron.core.optimizer.sharded_state import SHARDING_TYPE_KEY, ensure_state
+from megatron.core.optimizer.sharded_state import (
+    DP_ZERO_SHARDING_TYPE,
+    SHARDING_TYPE,
+    SHARDING_TYPE_KEY,
+    ensure_state,
+    model_space_state_shards,
+    param_to_sharded_map,
+    state_tensors,
+)
 
 _STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 _MAIN_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce")
@@ -377,9 +393,45 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Create empty state (zeros, step 0) for every main shard that has none yet."""
         ensure_state(self.optimizer, self.init_state_fn, self.config)
 
+    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False,
+                           sharding_type: Optional[str] = None, metadata: Optional[Dict] = None,
+                           nd_flattened: bool = False, **kwargs) -> Dict[str, Any]:
+        """Distributed-checkpoint state in model space (default), or Megatron's `dp_zero_gather_scatter`
+        layout when `sharding_type` or `metadata["distrib_optim_sharding_type"]` asks for it (collective over
+        the DP group when saving: DP rank 0 gathers the state). `nd_flattened=True` requests the model-space
+        state the way Megatron-LM's distributed optimizer stores it (N-D flattened chunks), to read its files."""
+        if sharding_type is None:
+            sharding_type = (metadata or {}).get("distrib_optim_sharding_type", SHARDING_TYPE)
+        if sharding_type != DP_ZERO_SHARDING_TYPE:
+            state = super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type=sharding_type)
+            if nd_flattened and not self.is_stub_optimizer:
+                entries = [(model, start, stop, state_tensors(self.optimizer, main))
+                           for model, main, start, stop in self._model_and_main_params()]
+                state["param_state"] = model_space_state_shards(
+                    entries, param_to_sharded_map(model_sharded_state_dict), True, nd_flattened=True)
+            return state
+        prefix = f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx or 0}"
+        dp_rank = dist.get_rank(self.data_parallel_group)
+        state: Dict[str, Any] = {SHARDING_TYPE_KEY: DP_ZERO_SHARDING_TYPE}
+        for key, value in self.state_dict().items():
+            # [1] global shape, one shard; every DP rank holds a replica, DP rank 0 writes it.
+            state[key] = ShardedObject(f"{prefix}.{key}", value, (1,), (0,), replica_id=dp_rank)
+        param_state = None if is_loading else self.get_parameter_state_dp_zero()
+        if dp_rank == 0:
+            state["param_state"] = ShardedObject(f"{prefix}.param_state", param_state, (1,), (0,), replica_id=0)
+        else:
+            # Other DP ranks neither write nor read it; the load scatters DP rank 0's copy.
+            state["param_state"] = LocalNonpersistentObject(None)
+        return state
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore param_groups (and the Adam step) and the grad scaler; tensors come from
-        `load_parameter_state` / `load_parameter_state_from_dp_zero`."""
+        `load_parameter_state` / `load_parameter_state_from_dp_zero`, or from a distributed load (in place
+        for the model-space layout, scattered from DP rank 0 for `dp_zero_gather_scatter`)."""
+        if state_dict.get(SHARDING_TYPE_KEY) == DP_ZERO_SHARDING_TYPE:
+            self.load_state_dict({k: state_dict[k] for k in ("optimizer", "grad_scaler") if k in state_dict})
+            self.load_parameter_state_from_dp_zero(state_dict.get("param_state"))
+            return
         if SHARDING_TYPE_KEY in state_dict:
             self._load_sharded_common(state_dict)
             return

@@ -24,6 +24,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 
 SHARDING_TYPE = "fully_sharded_model_space"
 """The value of `content_metadata['distrib_optim_sharding_type']` for this layout."""
+DP_ZERO_SHARDING_TYPE = "dp_zero_gather_scatter"
+"""Megatron's layout for distributed-optimizer state saved with `--no-ckpt-fully-parallel-save`: the legacy
+`distrib_optim.pt` dict as one ShardedObject per model-parallel rank (readable only at the same TP/PP)."""
 SHARDING_TYPE_KEY = "param_state_sharding_type"
 """Marks an optimizer state dict produced by `sharded_state_dict` (and its loaded counterpart)."""
 STATE_PREFIX = "optimizer.state"
@@ -101,12 +104,37 @@ def _optimizer_replica_id(replica_id: Any, sharded_over_dp: bool) -> Any:
     return 0
 
 
+def _nd_flattened_shards(piece: ShardedTensor, piece_start: int, lo: int, hi: int, own_start: int,
+                         tensors: Dict[str, torch.Tensor], replica_id: Any) -> Dict[str, ShardedTensor]:
+    """The owned flat range [lo, hi) of `piece` in Megatron-LM's N-D flattened layout: a model tensor of global
+    shape [X, Y, Z] split into local chunks [x, y, z] is stored as [X // x, Y // y, Z // z, x * y * z], chunk
+    (i, j, k) holding that chunk flattened; the range is the slice [lo, hi) of the last axis of one chunk."""
+    prepend = piece.prepend_axis_num
+    chunk_shape = (1,) * prepend + tuple(piece.local_shape)
+    fragments = tuple(g // c for g, c in zip(piece.global_shape, chunk_shape))
+    chunk_index = tuple(o // c for o, c in zip(piece.global_offset, chunk_shape))
+    local_shape = (1,) * len(fragments) + (hi - lo,)
+    global_shape = fragments + (math.prod(piece.local_shape),)
+    global_offset = chunk_index + (lo - piece_start,)
+    result = {}
+    for name, tensor in tensors.items():
+        # [owned numel] -> [1, ..., 1, hi - lo]
+        data = tensor.view(-1)[lo - own_start:hi - own_start].view(local_shape)
+        key = f"{STATE_PREFIX}.{name}.{piece.key}"
+        result[f"{key}@{'_'.join(map(str, global_offset))}"] = ShardedTensor(
+            key, data, tensor.dtype, local_shape, global_shape, global_offset, None, replica_id, 0)
+    return result
+
+
 def model_space_state_shards(entries: Iterable[Tuple[torch.Tensor, int, int, Dict[str, torch.Tensor]]],
-                             param_map: Dict[int, Any], sharded_over_dp: bool) -> Dict[str, ShardedTensor]:
+                             param_map: Dict[int, Any], sharded_over_dp: bool,
+                             nd_flattened: bool = False) -> Dict[str, ShardedTensor]:
     """ShardedTensors of optimizer state tensors, in model space.
 
     entries: (model param, owned flat start, owned flat stop, {state name: tensor of the owned range}).
-    With `sharded_over_dp` (distributed optimizer) every DP rank writes the part it owns.
+    With `sharded_over_dp` (distributed optimizer) every DP rank writes the part it owns. With `nd_flattened`
+    the requests follow Megatron-LM's distributed-optimizer layout instead (`_nd_flattened_shards`; tensors
+    with one dimension keep the model layout, as Megatron stores them): used to read its checkpoints.
     """
     result: Dict[str, ShardedTensor] = {}
     for model_param, own_start, own_stop, tensors in entries:
@@ -118,6 +146,10 @@ def model_space_state_shards(entries: Iterable[Tuple[torch.Tensor, int, int, Dic
             hi = min(own_stop, piece_start + piece.data.numel())
             prepend = piece.prepend_axis_num
             replica_id = _optimizer_replica_id(piece.replica_id, sharded_over_dp)
+            if nd_flattened and len(piece.global_shape) > 1:
+                if lo < hi:
+                    result.update(_nd_flattened_shards(piece, piece_start, lo, hi, own_start, tensors, replica_id))
+                continue
             for flat, offset, box_shape in flat_range_to_boxes(tuple(piece.local_shape), lo - piece_start,
                                                                hi - piece_start):
                 begin = piece_start + flat - own_start
@@ -212,6 +244,7 @@ def load_param_groups(optimizer: Optional[torch.optim.Optimizer], saved_groups: 
 
 
 __all__ = [
-    "SHARDING_TYPE", "SHARDING_TYPE_KEY", "flat_range_to_boxes", "param_to_sharded_map", "model_space_state_shards",
+    "SHARDING_TYPE", "SHARDING_TYPE_KEY", "DP_ZERO_SHARDING_TYPE", "flat_range_to_boxes", "param_to_sharded_map",
+    "model_space_state_shards",
     "ensure_state", "state_tensors", "param_groups_without_params", "load_param_groups",
 ]

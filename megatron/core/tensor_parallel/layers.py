@@ -22,11 +22,12 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
 from megatron.core.tensor_parallel.mappings import (
     all_gather_along_first_dim,
+    all_gather_along_first_dim_async,
     all_reduce_tensor,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    reduce_scatter_along_first_dim,
+    reduce_scatter_along_first_dim_async,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
@@ -121,9 +122,26 @@ def _weight_device(config: ModelParallelConfig):
 _ADDMM_FP32_OUT_SUPPORT = {}
 
 
+@torch.library.custom_op("megatron_core::accumulate_wgrad_fp32_", mutates_args=("main_grad",))
+def accumulate_wgrad_fp32_(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
+    """main_grad [out, in] (fp32) += grad_output^T [out, s*b] @ input [s*b, in] (half precision), one
+    GEMM with an fp32 output (CUDA only: torch has no CPU kernel for it).
+
+    A custom op, so that `torch.compile` treats it as one opaque in-place call: tracing torch's
+    `addmm(..., out_dtype=)` directly fails in the compiler's fake-tensor decomposition (torch 2.11),
+    which made every compiled layer fall back to eager.
+    """
+    torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
+
+
+@accumulate_wgrad_fp32_.register_fake
+def _accumulate_wgrad_fp32_fake(main_grad, grad_output_2d, input_2d) -> None:
+    return None
+
+
 def _addmm_fp32_out(main_grad, grad_output_2d, input_2d) -> None:
     """main_grad [out, in] += grad_output^T [out, s*b] @ input [s*b, in], one GEMM with an fp32 output."""
-    torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
+    accumulate_wgrad_fp32_(main_grad, grad_output_2d, input_2d)
 
 
 def _probe_addmm_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
@@ -185,7 +203,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     Forward: with sequence_parallel, all-gather x along the sequence dim first.
     Backward: dgrad is all-reduced over TP (allreduce_dgrad, overlapped with the wgrad GEMM) or
-    reduce-scattered along the sequence dim (sequence_parallel); wgrad goes to `main_grad` when fused.
+    reduce-scattered along the sequence dim (sequence_parallel, overlapped with the wgrad GEMM, after
+    the input's all-gather overlapped with the dgrad GEMM); wgrad goes to `main_grad` when fused.
     """
 
     @staticmethod
@@ -214,13 +233,18 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 buffer.append(grad_output)
                 wgrad_compute = False
         total_input = input
+        gather = None
         if ctx.sequence_parallel and wgrad_compute:
-            total_input = all_gather_along_first_dim(input, group)
+            gather = all_gather_along_first_dim_async(input, group)  # moves while the dgrad GEMM runs
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
-        handle = None
+        if gather is not None:
+            total_input = gather.wait()
+        handle = scatter = None
         if ctx.allreduce_dgrad and grad_input is not None:
             grad_input = grad_input.contiguous()
             handle = all_reduce_tensor(grad_input, group, async_op=True)
+        elif ctx.sequence_parallel and grad_input is not None:
+            scatter = reduce_scatter_along_first_dim_async(grad_input, group)  # moves while the wgrad GEMM runs
         grad_weight = None
         if wgrad_compute:
             # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
@@ -234,8 +258,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 grad_weight = grad_output_2d.t().matmul(input_2d)
         # [s, b, out] -> [s*b, out] -> [out]
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
-        if ctx.sequence_parallel and grad_input is not None:
-            grad_input = reduce_scatter_along_first_dim(grad_input, group)
+        if scatter is not None:
+            grad_input = scatter.wait()
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None

@@ -187,6 +187,64 @@ def reduce_scatter_along_first_dim(input_: torch.Tensor, group=None) -> torch.Te
     return _reduce_scatter_dim0(input_, _resolve(group))
 
 
+class PendingCollective:
+    """A collective launched with `async_op=True`; `wait()` returns its result.
+
+    On NCCL the wait only orders the current stream after the collective (no host block), so GEMMs
+    queued between the launch and the wait run while the data moves.
+    """
+
+    def __init__(self, handle, finish):
+        self._handle, self._finish = handle, finish
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the collective and return its result."""
+        if self._handle is not None:
+            self._handle.wait()
+        return self._finish()
+
+
+def all_gather_along_first_dim_async(input_: torch.Tensor, group=None) -> PendingCollective:
+    """Start `all_gather_along_first_dim` (no autograd, equal sizes); `.wait()` gives the gathered tensor."""
+    group = _resolve(group)
+    world_size = _world_size(group)
+    if world_size == 1:
+        return PendingCollective(None, lambda: input_)
+    input_ = input_.contiguous()
+    if not _is_gloo(group):
+        # [s/tp, b, h] -> [s, b, h]
+        output = torch.empty((input_.shape[0] * world_size,) + tuple(input_.shape[1:]), dtype=input_.dtype,
+                             device=input_.device)
+        handle = dist.all_gather_into_tensor(output, input_, group=group, async_op=True)
+        return PendingCollective(handle, lambda: output)
+    chunks = [torch.empty_like(input_) for _ in range(world_size)]
+    handle = dist.all_gather(chunks, input_, group=group, async_op=True)
+    return PendingCollective(handle, lambda: torch.cat(chunks, dim=0))
+
+
+def reduce_scatter_along_first_dim_async(input_: torch.Tensor, group=None) -> PendingCollective:
+    """Start `reduce_scatter_along_first_dim` (no autograd, equal sizes); `.wait()` gives this rank's sum."""
+    group = _resolve(group)
+    world_size = _world_size(group)
+    if world_size == 1:
+        return PendingCollective(None, lambda: input_)
+    if input_.shape[0] % world_size != 0:
+        raise ValueError(
+            f"reduce-scatter along dim 0: size {input_.shape[0]} is not divisible by the group size {world_size}"
+        )
+    input_ = input_.contiguous()
+    size = input_.shape[0] // world_size
+    if not _is_gloo(group):
+        # [s, b, h] -> [s/tp, b, h]
+        output = torch.empty((size,) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        handle = dist.reduce_scatter_tensor(output, input_, group=group, async_op=True)
+        return PendingCollective(handle, lambda: output)
+    summed = input_.clone()
+    handle = dist.all_reduce(summed, group=group, async_op=True)
+    rank = _rank(group)
+    return PendingCollective(handle, lambda: summed[rank * size:(rank + 1) * size].contiguous())
+
+
 def gather_split_1d_tensor(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every TP rank's 1-D chunk (inverse of `split_tensor_into_1d_equal_chunks`)."""
     # [numel/tp] -> (all-gather) [numel]

@@ -1,29 +1,14 @@
 """Helpers of the transformer package: activations, masks, process-group lookup, recompute wrapping."""
-import math
 from typing import Optional
 
 import torch
 
+from megatron.core.activations import erf_gelu, openai_gelu, squared_relu  # noqa: F401  (Megatron's import path)
 from megatron.core.process_groups_config import (
     get_pg_rank,
     get_pg_size,
     get_tensor_model_parallel_group_if_none,
 )
-
-
-def openai_gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation used by OpenAI GPT (`--openai-gelu`)."""
-    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
-
-
-def erf_gelu(x: torch.Tensor) -> torch.Tensor:
-    """Exact (erf-based) GELU, written out (`--onnx-safe` path in Megatron)."""
-    return x * 0.5 * (torch.erf(x / math.sqrt(2.0)) + 1.0)
-
-
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 (`--squared-relu`)."""
-    return torch.pow(torch.nn.functional.relu(x), 2)
 
 
 def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -266,6 +266,11 @@ def _check_mappings(tp, r):
     mine = full[sum(sizes[:r]):sum(sizes[:r + 1])]
     out, gr = run(lambda t: tpl.gather_from_sequence_parallel_region(t, output_split_sizes=sizes), mine, full * scale)
     _close(out, full, "uneven gather fwd"), _close(gr, mine * k, "uneven gather bwd")
+    from megatron.core.tensor_parallel import mappings
+    gather = mappings.all_gather_along_first_dim_async(_chunk(X, 0, r, tp))
+    scatter = mappings.reduce_scatter_along_first_dim_async(X * scale)  # both in flight at once
+    _close(scatter.wait(), _chunk(X, 0, r, tp) * k, "async reduce-scatter")
+    _close(gather.wait(), X, "async all-gather")
     _check_all_to_all(tp, r)
 
 

@@ -58,6 +58,25 @@ def test_support_is_probed_once_per_device_and_dtype(monkeypatch):
     assert layers.addmm_fp32_out_supported(cuda0, torch.bfloat16)  # a traced backward reuses the answer
 
 
+def test_fp32_output_wgrad_op_traces_with_fake_tensors():
+    """The compiler traces the wgrad accumulation as one opaque in-place op (no decomposition of
+    `addmm(out_dtype=)`, which fails on fake tensors and made compiled layers fall back to eager)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def accumulate(main_grad, grad_output, inputs):
+        layers._addmm_fp32_out(main_grad, grad_output, inputs)
+        return main_grad
+
+    def trace(fn):  # with the compiler's decompositions, as inductor traces a layer's backward
+        return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(
+            torch.zeros(4, 6), torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8, 6, dtype=torch.bfloat16))
+
+    graph = trace(accumulate)
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == ["megatron_core.accumulate_wgrad_fp32_.default"], targets
+
+
 def _accumulate_twice(monkeypatch, supported):
     monkeypatch.setattr(layers, "addmm_fp32_out_supported", lambda device, dtype: supported)
     monkeypatch.setattr(layers, "_addmm_fp32_out", _fp32_output_gemm)

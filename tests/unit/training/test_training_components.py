@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from megatron.core.deferred_checks import get_deferred_checks
 from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
 from megatron.core.timers import DummyTimer, Timers
 from megatron.training.checkpoint_args import args_to_plain_dict, plain_dict_to_args
@@ -91,6 +92,20 @@ def test_rerun_state_machine_nan_and_spiky_checks():
     with pytest.raises(RuntimeError, match="found NaN"):
         machine.validate_result(torch.tensor(float("nan")), torch.isnan, "found NaN", fatal=True)
     assert machine.is_unexpectedly_large(torch.tensor(1e9), 10, "loss") is False  # off when disabled
+    deferred = get_deferred_checks()
+    deferred.enabled, deferred.device_types = True, ("cpu",)
+    try:
+        machine.current_iteration = 7
+        machine.validate_result(torch.tensor(1.0), torch.isnan, "fine", fatal=True)
+        machine.validate_result(torch.tensor(float("inf")), torch.isinf, "found Inf", fatal=True)
+        machine.current_iteration = 8
+        assert deferred.pending() == 2
+        with pytest.raises(RuntimeError, match=r"iteration 7: Unexpected result inf \(message='found Inf'\)"):
+            deferred.flush()
+        deferred.flush()  # nothing left
+    finally:
+        deferred.enabled, deferred.device_types = False, ("cuda",)
+        deferred.clear()
     active = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
     for value in (1.0, 2.0, 3.0):
         assert not active.is_unexpectedly_large(torch.tensor(value), 10, "loss", num_samples=3)

@@ -3,8 +3,9 @@ distributed checkpoint engine (`torch.distributed.checkpoint`, DCP), as Megatron
 
 Layout: each ShardedTensor key is a DCP tensor FQN whose chunks are the main-replica shards
 (`global_offset`, chunk shape); each ShardedObject is a DCP bytes item under its `unique_key`
-holding `torch.save(data)`. Files: `.metadata` (DCP's index, written by the coordinator) and
-`__{rank}_{k}.distcp` (data, written by each rank).
+holding `torch.save([data])` (Megatron-LM saves the list of this rank's shards of that key: one).
+Files: `.metadata` (DCP's index, written by the coordinator) and `__{rank}_{k}.distcp` (data, written
+by each rank).
 
 Design notes:
 - Own planners: DCP's default planners know DTensor/torch ShardedTensor, not offsets; ours turn
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -172,7 +174,8 @@ class _ShardedSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()
-            torch.save(self._objects[write_item.index.fqn].data, buffer)
+            # Megatron-LM's layout: a list of the rank's shards of this unique key (always one).
+            torch.save([self._objects[write_item.index.fqn].data], buffer)
             buffer.seek(0)
             return buffer
         return self._tensors[(write_item.index.fqn, tuple(write_item.index.offset))][1]
@@ -280,7 +283,18 @@ class _ShardedLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         where = f"{self._checkpoint_dir} item {fqn!r}"
-        self.loaded_objects[fqn] = safe_torch_load(value, name=where)
+        self.loaded_objects[fqn] = unwrap_object_shards(safe_torch_load(value, name=where), where)
+
+
+def unwrap_object_shards(stored: Any, where: str) -> Any:
+    """The data of a stored ShardedObject: Megatron-LM stores `[data]`; files this framework wrote before it
+    matched that layout store `data` itself (never a list, except the RNG state, which callers accept both
+    ways)."""
+    if not isinstance(stored, list):
+        return stored
+    if len(stored) != 1:
+        raise CheckpointingException(f"{where} holds {len(stored)} object shards; a ShardedObject item holds one")
+    return stored[0]
 
 
 def validate_request_against_metadata(tensors: List[ShardedTensor], metadata: Metadata) -> None:
@@ -317,7 +331,7 @@ def load_sharded(checkpoint_dir: str, tensors: List[ShardedTensor], objects: Lis
             dcp.load({}, storage_reader=reader, planner=planner, no_dist=not is_distributed())
     except CheckpointingException:
         raise
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise CheckpointingException(f"reading the checkpoint {checkpoint_dir} failed: {exc}") from exc
     loaded = {}
     for sharded, target in targets:
