@@ -45,6 +45,12 @@ from megatron.training.checkpointing_dist import (
     sharded_rng_state,
     torch_dcp_layout_problems,
 )
+from megatron.training.checkpointing_local import (
+    check_local_layout,
+    find_local_checkpoint,
+    load_local_optimizer_shards,
+    save_local_checkpoint,
+)
 from megatron.training.global_vars import get_args, get_wandb_writer
 from megatron.training.utils import is_last_rank, print_rank_0, unwrap_model
 
@@ -289,6 +295,10 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     model = model if isinstance(model, list) else [model]
     save_dir = args.save
     ckpt_format = args.ckpt_format if args.ckpt_format in ("torch_dist", "torch_dcp") else "torch"
+    if non_persistent_ckpt and args.non_persistent_ckpt_type == "local":
+        save_local_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                              generate_state_dict, _local_rng_state())
+        return
     if non_persistent_ckpt:
         save_dir, ckpt_format = non_persistent_dir(args, args.save), "torch_dist"
         if _rank() == 0:
@@ -624,6 +634,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     args = get_args()
     model = model if isinstance(model, list) else [model]
     load_dir, iteration, release = _resolve_load_dir(args, load_arg)
+    if args.ckpt_step is None and not args.finetune:
+        local = find_local_checkpoint(args, -1 if iteration is None or release else iteration)
+        if local is not None:
+            return _load_local(args, model, optimizer, opt_param_scheduler, local[0], strict)
     if iteration is None:
         return 0, 0
     base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
@@ -649,6 +663,27 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     _barrier()
     _report_loaded(load_dir, iteration)
     return iteration, num_flops
+
+
+def _load_local(args, model, optimizer, opt_param_scheduler, path, strict):
+    """Load this rank's local non-persistent checkpoint file (see checkpointing_local)."""
+    state_dict = _load_file(path)
+    check_local_layout(state_dict, path)
+    set_checkpoint_version(state_dict.get("checkpoint_version", 0))
+    _restore_args_state(args, state_dict)
+    _load_model(model, state_dict, strict)
+    if args.use_distributed_optimizer and not args.no_load_optim and optimizer is not None:
+        optimizer.load_state_dict(state_dict["optimizer"])
+        load_local_optimizer_shards(optimizer, state_dict)
+        if opt_param_scheduler is not None:
+            opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+    else:
+        _load_optimizer(args, optimizer, opt_param_scheduler, state_dict, path, False)
+    _load_rng(args, state_dict, path, False)
+    _barrier()
+    iteration = state_dict["iteration"]
+    _report_loaded(os.path.dirname(os.path.dirname(path)), iteration)
+    return iteration, state_dict.get("num_floating_point_operations_so_far", 0)
 
 
 def _report_loaded(load_dir, iteration):

@@ -581,3 +581,33 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if dist.get_rank(self.data_parallel_group) == 0:
             state_dict = torch.load(filename, map_location="cpu", weights_only=True)
         self.load_parameter_state_from_dp_zero(state_dict, update_legacy_format=update_legacy_format)
+
+    def get_parameter_state_local(self) -> Dict[str, Any]:
+        """This rank's own shard of fp32 params and Adam moments, with no communication (local
+        non-persistent checkpoints): {"param"/"exp_avg"/"exp_avg_sq": [cpu tensors in
+        `_model_and_main_params` order], "numels": [shard sizes]}."""
+        if not self.is_stub_optimizer:
+            self._ensure_optimizer_state()
+        pairs = self._model_and_main_params()
+        state: Dict[str, Any] = {"numels": [stop - start for _, _, start, stop in pairs]}
+        for key in _STATE_KEYS:
+            state[key] = [self._main_param_and_optimizer_states(model_param)[key].detach().cpu().clone()
+                          for model_param, _, _, _ in pairs]
+        return state
+
+    def load_parameter_state_local(self, state: Dict[str, Any]) -> None:
+        """Restore `get_parameter_state_local()` of the same rank and layout; raises naming the mismatch."""
+        if not self.is_stub_optimizer:
+            self._ensure_optimizer_state()
+        pairs = self._model_and_main_params()
+        numels = [stop - start for _, _, start, stop in pairs]
+        if state.get("numels") != numels:
+            raise ValueError(
+                f"the local optimizer state holds shards of sizes {state.get('numels')} but this rank owns "
+                f"{numels}: the model, the DDP bucketing or the data-parallel layout differ from the run that "
+                "saved it")
+        for key in _STATE_KEYS:
+            for (model_param, _, _, _), saved in zip(pairs, state[key]):
+                target = self._main_param_and_optimizer_states(model_param)[key]
+                target.detach().copy_(saved.view_as(target))
+        self._copy_main_params_to_model_params()

@@ -397,6 +397,9 @@ def _validate_checkpointing(args) -> List[str]:
             f"--async-save needs --ckpt-format torch_dist (got --ckpt-format {args.ckpt_format}): "
             "drop --async-save or use the torch_dist format."
         )
+    if args.non_persistent_ckpt_type == "local" and not args.non_persistent_local_ckpt_dir:
+        problems.append("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir: give a node-local "
+                        "directory for each rank's file.")
     if args.ckpt_format == "torch_dcp" and args.save is not None:
         problems.extend(_torch_dcp_save_problems(args))
     return problems

@@ -173,5 +173,8 @@ def test_non_persistent_global_checkpoints(reference_run, tmp_path, capsys):
     assert "non-persistent checkpoint" in capsys.readouterr().out
     code, _ = _run("--train-iters", "5", "--non-persistent-ckpt-type", "local")
     assert code == 2
-    assert "--non-persistent-ckpt-type local: local (node-local storage)" in capsys.readouterr().err
+    assert "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir" in capsys.readouterr().err
+    code, _ = _run("--train-iters", "5", "--non-persistent-ckpt-type", "in_memory")
+    assert code == 2
+    assert "--non-persistent-ckpt-type in_memory: in-memory non-persistent" in capsys.readouterr().err
     reset_training_state()
