@@ -9,25 +9,11 @@ difference between the two results.
 """
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 
-
-def timed(fn, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 3)
+from collective_bench import timed  # same folder (the script's directory is on sys.path)
 
 
 def main():

@@ -407,19 +407,11 @@ def _validate_checkpointing(args) -> List[str]:
 
 def _torch_dcp_save_problems(args) -> List[str]:
     """torch_dcp stores each rank's plain state dict: model-parallel copies of a key would collide."""
-    problems = []
-    for flag, name in (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
-                       ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
-                       ("--expert-model-parallel-size", "expert_model_parallel_size")):
-        value = getattr(args, name, 1) or 1
-        if value > 1:
-            problems.append(f"--ckpt-format torch_dcp with --save cannot store {flag} {value}: its plain state dict "
-                            "keys repeat on every model-parallel rank; use --ckpt-format torch_dist (reshardable).")
-    if args.use_distributed_optimizer and not args.no_save_optim:
-        problems.append("--ckpt-format torch_dcp with --save cannot store the --use-distributed-optimizer state "
-                        "(it lives outside optimizer.state_dict()); use --ckpt-format torch_dist or add "
-                        "--no-save-optim.")
-    return problems
+    from megatron.training.checkpointing_dist import torch_dcp_layout_problems
+
+    return [f"--ckpt-format torch_dcp with --save cannot store this run: {problem}; use --ckpt-format torch_dist "
+            "(reshardable, any layout) or --ckpt-format torch." for problem in
+            torch_dcp_layout_problems(args, with_optimizer=not args.no_save_optim)]
 
 
 def _validate_recompute(args) -> List[str]:

@@ -120,8 +120,8 @@ def test_derived_values_and_args_defaults(capsys):
       "--max-position-embeddings (64) must be >= --seq-length (128)"]),
     ("--ckpt-format torch_dcp --save ck --save-interval 5 --tensor-model-parallel-size 2 "
      "--use-distributed-optimizer", 2,
-     ["--ckpt-format torch_dcp with --save cannot store --tensor-model-parallel-size 2",
-      "cannot store the --use-distributed-optimizer state"]),
+     ["--ckpt-format torch_dcp with --save cannot store this run: --tensor-model-parallel-size is 2",
+      "cannot store this run: --use-distributed-optimizer: its optimizer state lives outside"]),
     ("--batch-size 4 --warmup 10 --context-parallel-size 2 --ddp-num-buckets 2 --ddp-bucket-size 10", 2,
      ["--batch-size (4) was removed from Megatron-LM; use --micro-batch-size", "--warmup (10) was removed",
       "--context-parallel-size (2) is a Megatron-LM flag this framework does not implement yet",
