@@ -46,14 +46,15 @@ LLAMA_CONFIGS = [
 CONFIGS = GPT_CONFIGS + LLAMA_CONFIGS
 
 
-def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute):
+def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute, dtype=torch.float32):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=8, use_cpu_initialization=True,
               tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=hidden_dropout,
-              attention_dropout=attention_dropout, init_method_std=0.2)
+              attention_dropout=attention_dropout, init_method_std=0.2, params_dtype=dtype,
+              bf16=dtype == torch.bfloat16)
     if recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif recompute:
@@ -93,13 +94,13 @@ def _gather_full(param, grad, tp_group, tp):
     return torch.cat([pieces[r][j] for j in range(stride) for r in range(tp)], dim=dim)
 
 
-def _train(kind, tp, sp, hd, ad, recompute, tp_group=None):
-    """Run STEPS optimizer steps; return per step (loss, {name: full grad})."""
+def _train(kind, tp, sp, hd, ad, recompute, tp_group=None, device="cpu", dtype=torch.float32):
+    """Run STEPS optimizer steps; return per step (loss, {name: full fp32 grad on the CPU})."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.tensor_parallel.mappings import all_reduce_tensor
 
     model_parallel_cuda_manual_seed(SEED)
-    model = _build(kind, tp, sp, hd, ad, recompute)
+    model = _build(kind, tp, sp, hd, ad, recompute, dtype).to(device=device, dtype=dtype)  # as Float16Module does
     model.train()
     # SGD with momentum: the update is linear in the gradient, so summation-order noise stays at
     # round-off level. (Adam divides by sqrt(v): a near-zero gradient entry whose sign is round-off
@@ -108,15 +109,15 @@ def _train(kind, tp, sp, hd, ad, recompute, tp_group=None):
     history = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        tokens, position_ids, mask, labels = _batch(step)
+        tokens, position_ids, mask, labels = (t.to(device) for t in _batch(step))
         torch.manual_seed(SEED + 100 + step)
-        loss = model(tokens, position_ids, mask, labels=labels).mean()
+        loss = model(tokens, position_ids, mask, labels=labels).float().mean()
         loss.backward()
         grads = {}
         for name, param in model.named_parameters():
             if getattr(param, "sequence_parallel", False) and tp > 1:
                 all_reduce_tensor(param.grad, tp_group)
-            grads[name] = _gather_full(param, param.grad, tp_group, tp)
+            grads[name] = _gather_full(param, param.grad, tp_group, tp).float().cpu()
         history.append((loss.item(), grads))
         optimizer.step()
     return history
