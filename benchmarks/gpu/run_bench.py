@@ -243,7 +243,12 @@ def build_jobs(args):
             single.append(Job("attn_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/attn_bench.py")], 1))
         elif extra == "gputests":
             late.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                          "tests/unit/fusions", "tests/unit/models/test_models_gpu.py"], 1))
+                                          "tests/unit/fusions", "tests/unit/models/test_models_gpu.py",
+                                          "tests/unit/tensor_parallel", "tests/unit/test_deferred_checks.py"], 1))
+        elif extra == "gputests2":  # the NCCL parity tests, on 2 GPUs
+            late.append(Job("gpu_tests_2", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s",
+                                            "tests/parity/test_tp_nccl_gpu.py", "tests/parity/test_dp_nccl.py",
+                                            "tests/parity/test_pp_nccl_gpu.py"], 2))
     return single + multi + late
 
 
@@ -279,7 +284,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--yardstick", default=None, help="path of a copy of gpt_baseline.py (omit: no yardstick)")
     parser.add_argument("--configs", nargs="*", default=["gpt1.3b"])
-    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests")
+    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2")
     parser.add_argument("--late", nargs="*", default=[], help="configs to run after all the others")
     parser.add_argument("--profile", nargs="*", default=[], help="configs whose run also writes a profile table")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
