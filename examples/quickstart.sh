@@ -7,7 +7,8 @@
 #   3. tokenizes it (tools/preprocess_data.py),
 #   4. trains a 4-layer GPT (CPU, or the GPU when present), evaluates, saves a checkpoint,
 #   5. prints a generated sample (tools/generate_sample.py).
-# About 10 minutes on 2 idle CPU cores (~2 s per iteration; docs/data.md). Override with env vars:
+# 200 iterations: ~1 s each on 2 idle CPU cores (4-5 minutes in all; timings in docs/performance.md).
+# Override with env vars:
 # TRAIN_ITERS, LR_WARMUP_ITERS, SEQ_LENGTH, EVAL_INTERVAL, OUT, CKPT, PYTHON; SKIP_INSTALL=1 skips the
 # pip step (packages already importable).
 set -euo pipefail
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-data/quickstart}
-TRAIN_ITERS=${TRAIN_ITERS:-300}
+TRAIN_ITERS=${TRAIN_ITERS:-200}
 SEQ_LENGTH=${SEQ_LENGTH:-128}
 EVAL_INTERVAL=${EVAL_INTERVAL:-100}
 CKPT=${CKPT:-checkpoints/quickstart}

@@ -3,7 +3,7 @@
 Both loops are re-implemented here in C from the spec (compiled with the system C compiler at run
 time, -O3; int32 sample index as Megatron picks for these sizes) so they run at compiled speed; when no
 compiler is present only the numpy paths are timed. Every output is checked equal to the C loop's.
-Usage: python benchmarks/preprocess/bench_sample_index.py [--docs N] [--blend-size N]
+Usage: python benchmarks/preprocess/bench_sample_index.py [--docs N] [--blend-size N] [--rounds N]
 """
 import argparse
 import ctypes
@@ -67,51 +67,64 @@ def compile_loops():
     return ctypes.CDLL(lib)
 
 
-def best_of(n, fn):
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, result
+def interleaved(rounds, fns):
+    """Run the functions in turn `rounds` times; per function (best wall s, median wall s, best CPU s)
+    and its last result. CPU time (this process) is less disturbed by other jobs on a shared machine."""
+    walls, cpus, results = [[] for _ in fns], [[] for _ in fns], [None] * len(fns)
+    for _ in range(rounds):
+        for k, fn in enumerate(fns):
+            w, c = time.perf_counter(), time.process_time()
+            results[k] = fn()
+            walls[k].append(time.perf_counter() - w)
+            cpus[k].append(time.process_time() - c)
+    return [(min(w), float(np.median(w)), min(c)) for w, c in zip(walls, cpus)], results
+
+
+def fmt(t):
+    return f"{t[0]:.4f} / {t[1]:.4f} / {t[2]:.4f} s"
 
 
 def ptr(a):
     return a.ctypes.data_as(ctypes.c_void_p)
 
 
-def bench_sample_idx(lib, docs, epochs, seq_length):
+def bench_sample_idx(lib, docs, epochs, seq_length, rounds):
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 4096, size=docs, dtype=np.int32)
     doc_idx = np.tile(np.arange(docs, dtype=np.int32), epochs)
     rng.shuffle(doc_idx)
     tokens = int(sizes.sum())
-    t_np, ours = best_of(5, lambda: helpers.build_sample_idx(sizes, doc_idx, seq_length, epochs, tokens, True, 1))
-    line = f"| sample index, {docs:,} docs x {epochs} epochs ({len(ours) - 1:,} samples) | {t_np:.3f} s |"
+    ours = lambda: helpers.build_sample_idx(sizes, doc_idx, seq_length, epochs, tokens, True, 1)  # noqa: E731
+    samples = (epochs * tokens - 1) // seq_length
+    name = f"| sample index, {docs:,} docs x {epochs} epochs ({samples:,} samples)"
     if lib is None:
-        print(line + " no C compiler |")
+        (t_np,), _ = interleaved(rounds, [ours])
+        print(f"{name} | {fmt(t_np)} | no C compiler | | |")
         return
-    out = np.zeros((len(ours), 2), dtype=np.int32)
-    t_c, _ = best_of(5, lambda: lib.sample_idx(ptr(sizes), ptr(doc_idx), ctypes.c_int64(len(doc_idx)),
-                                                ctypes.c_int32(seq_length), ctypes.c_int64(len(ours) - 1),
-                                                ctypes.c_int32(1), ptr(out)))
-    print(f"{line} {t_c:.3f} s | {np.array_equal(out, ours)} |", flush=True)
+    out = np.zeros((samples + 1, 2), dtype=np.int32)
+    c_loop = lambda: lib.sample_idx(ptr(sizes), ptr(doc_idx), ctypes.c_int64(len(doc_idx)),  # noqa: E731
+                                    ctypes.c_int32(seq_length), ctypes.c_int64(samples), ctypes.c_int32(1), ptr(out))
+    (t_np, t_c), (result, _) = interleaved(rounds, [ours, c_loop])
+    print(f"{name} | {fmt(t_np)} | {fmt(t_c)} | {t_np[0] / t_c[0]:.2f} / {t_np[2] / t_c[2]:.2f} | "
+          f"{np.array_equal(out, result)} |", flush=True)
 
 
-def bench_blending(lib, name, weights, size):
+def bench_blending(lib, name, weights, size, rounds):
     weights = np.asarray(weights, dtype=np.float64)
     weights /= weights.sum()
     ours_index, ours_sample = np.zeros(size, np.int16), np.zeros(size, np.int64)
-    t_np, _ = best_of(1, lambda: helpers.build_blending_indices(ours_index, ours_sample, weights, len(weights), size))
-    line = f"| blending, {name}, {size:,} samples | {t_np:.3f} s |"
+    ours = lambda: helpers.build_blending_indices(ours_index, ours_sample, weights, len(weights), size)  # noqa: E731
+    line = f"| blending, {name}, {size:,} samples"
     if lib is None:
-        print(line + " no C compiler |")
+        (t_np,), _ = interleaved(rounds, [ours])
+        print(f"{line} | {fmt(t_np)} | no C compiler | | |")
         return
     index, sample, counts = np.zeros(size, np.int16), np.zeros(size, np.int64), np.zeros(len(weights), np.int64)
-    t_c, _ = best_of(3, lambda: lib.blending(ptr(index), ptr(sample), ptr(weights), ctypes.c_int32(len(weights)),
-                                              ctypes.c_int64(size), ptr(counts)))
+    c_loop = lambda: lib.blending(ptr(index), ptr(sample), ptr(weights), ctypes.c_int32(len(weights)),  # noqa: E731
+                                  ctypes.c_int64(size), ptr(counts))
+    (t_np, t_c), _ = interleaved(rounds, [ours, c_loop])
     same = np.array_equal(index, ours_index) and np.array_equal(sample, ours_sample)
-    print(f"{line} {t_c:.3f} s | {same} |", flush=True)
+    print(f"{line} | {fmt(t_np)} | {fmt(t_c)} | {t_np[0] / t_c[0]:.2f} / {t_np[2] / t_c[2]:.2f} | {same} |", flush=True)
 
 
 def main():
@@ -120,18 +133,22 @@ def main():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--blend-size", type=int, default=10_000_000)
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved runs of each function")
+    parser.add_argument("--skip-blending", action="store_true")
     args = parser.parse_args()
     lib = compile_loops()
     print(f"load average: {os.getloadavg()}")
-    print("| case | numpy | C loop (Megatron's algorithm, -O3) | equal |")
-    print("|---|---|---|---|")
-    bench_sample_idx(lib, args.docs, args.epochs, args.seq_length)
-    bench_sample_idx(lib, args.docs // 10, args.epochs, args.seq_length)
+    print("| case | numpy: best wall / median wall / best CPU | C loop (Megatron's algorithm, -O3): same | "
+          "ratio best wall / best CPU | equal |")
+    print("|---|---|---|---|---|")
+    bench_sample_idx(lib, args.docs, args.epochs, args.seq_length, args.rounds)
+    bench_sample_idx(lib, args.docs // 10, args.epochs, args.seq_length, args.rounds)
     rng = np.random.default_rng(0)
-    for name, weights in [("weights 0.5/0.3/0.2", [0.5, 0.3, 0.2]), ("weights 0.7/0.3", [0.7, 0.3]),
-                          ("8 equal weights", [1.0] * 8), ("3 random weights", rng.random(3)),
-                          ("10 random weights", rng.random(10))]:
-        bench_blending(lib, name, weights, args.blend_size)
+    cases = [("weights 0.5/0.3/0.2", [0.5, 0.3, 0.2]), ("weights 0.7/0.3", [0.7, 0.3]), ("8 equal weights", [1.0] * 8),
+             ("3 random weights", rng.random(3)), ("10 random weights", rng.random(10)),
+             ("50 random weights", rng.random(50))]
+    for name, weights in [] if args.skip_blending else cases:
+        bench_blending(lib, name, weights, args.blend_size, max(3, args.rounds // 5))
     print(f"load average: {os.getloadavg()}")
 
 

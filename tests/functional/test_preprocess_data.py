@@ -118,3 +118,41 @@ def test_bad_inputs_fail_once_and_leave_nothing(assets, capsys):
         assert leftovers == [], leftovers
     rc, _ = run(d, str(d / "missing.json"), merges, "err", good, "--workers", "1")
     assert rc == 1 and "--vocab-file" in capsys.readouterr().err
+
+
+def test_byte_ranges_many_chunks_two_keys_and_error_lines(assets, monkeypatch, capsys):
+    """Workers read their own byte ranges and write their own token files; the output is the same for
+    1, 2 and 3 workers, every temporary file is gone, and errors name the right line of a late range."""
+    d, vocab, merges, texts = assets
+    monkeypatch.setattr(preprocess_data, "CHUNK_BYTES", 700)
+    monkeypatch.setattr(preprocess_data, "MIN_CHUNK_BYTES", 64)
+    inp = str(d / "ranges.jsonl")
+    with open(inp, "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"text": t, "title": f"T{i}"}) + ("\n\n" if i % 37 == 0 else "\n"))
+        f.write(json.dumps({"text": "no newline at the end", "title": "last"}))
+    ranges = preprocess_data.line_ranges(inp, 2)
+    data = open(inp, "rb").read()
+    assert len(ranges) > 20 and ranges[0][0] == 0 and ranges[-1][1] == len(data)
+    assert all(a[1] == b[0] and data[a[1] - 1 : a[1]] == b"\n" for a, b in zip(ranges, ranges[1:]))
+    outputs = []
+    for workers in ("1", "2", "3"):
+        rc, prefix = run(d, vocab, merges, f"rk{workers}", inp, "--workers", workers, "--append-eod",
+                         "--json-keys", "text", "title")
+        assert rc == 0
+        names = [f"{prefix}_{k}_document{e}" for k in ("text", "title") for e in (".bin", ".idx")]
+        outputs.append([open(name, "rb").read() for name in names])
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert not [n for n in os.listdir(d) if n.endswith(".partial")]
+    bpe = GPT2BPE(vocab, merges)
+    ds = IndexedDataset(str(d / "rk2_text_document"))
+    assert ds[len(ds) - 1].tolist() == bpe.encode("no newline at the end") + [bpe.encoder["<|endoftext|>"]]
+    bad = str(d / "late_error.jsonl")
+    lines = [json.dumps({"text": t or "x"}) for t in texts[:200]]
+    lines[150] = '{"text": broken'
+    with open(bad, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    rc, _ = run(d, vocab, merges, "lt", bad, "--workers", "2")
+    err = capsys.readouterr().err
+    assert rc == 1 and "late_error.jsonl:151: malformed JSON" in err, err
+    assert not [n for n in os.listdir(d) if n.startswith("lt")]

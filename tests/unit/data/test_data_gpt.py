@@ -89,7 +89,7 @@ def reference_blending(weights, size, caps=None):
 
 
 def test_blending_matches_cpp_loop():
-    """Periodic weights (speculation path), generic weights (loop + near-periods), many datasets."""
+    """Rational and generic weights, many datasets, unnormalized weights (more in test_data_blending.py)."""
     rng = np.random.default_rng(3)
     cases = [[0.5, 0.3, 0.2], [0.25] * 4, [0.7, 0.3], list(rng.dirichlet(np.ones(3))),
              list(rng.dirichlet(np.ones(6))), list(rng.dirichlet(np.ones(60))), [2.0, 1.0]]
