@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets import helpers
-from tests.unit.data.test_data_gpt import reference_blending
+from tests.unit.data.test_data_gpt import check_blend, check_exhaustive
 
 
 @pytest.fixture
@@ -35,24 +35,6 @@ def small_segments(monkeypatch):
     monkeypatch.setattr(helpers._SegmentedGreedy, "_simulate", counting_simulate)
     monkeypatch.setattr(helpers, "_greedy_loop", counting_loop)
     return calls
-
-
-def check_blend(weights, size):
-    index, sample = np.zeros(size, np.int16), np.zeros(size, np.int64)
-    helpers.build_blending_indices(index, sample, weights, len(weights), size, False)
-    want_index, want_sample = reference_blending(list(weights), size)
-    np.testing.assert_array_equal(index, want_index, err_msg=str(weights))
-    np.testing.assert_array_equal(sample, want_sample, err_msg=str(weights))
-
-
-def check_exhaustive(sizes):
-    total = int(sum(sizes))
-    index, sample = np.zeros(total, np.int16), np.zeros(total, np.int64)
-    helpers.build_exhaustive_blending_indices(index, sample, sizes, len(sizes))
-    weights = [s / float(total) for s in sizes]
-    want_index, want_sample = reference_blending(weights, total, [int(s) for s in sizes])
-    np.testing.assert_array_equal(index, want_index, err_msg=str(sizes))
-    np.testing.assert_array_equal(sample, want_sample, err_msg=str(sizes))
 
 
 def test_random_weights_many_segments(small_segments):

@@ -88,25 +88,33 @@ def reference_blending(weights, size, caps=None):
     return index, sample
 
 
+
+def check_blend(weights, size):
+    index, sample = np.zeros(size, np.int16), np.zeros(size, np.int64)
+    helpers.build_blending_indices(index, sample, weights, len(weights), size, False)
+    want_index, want_sample = reference_blending(list(weights), size)
+    np.testing.assert_array_equal(index, want_index, err_msg=str(weights))
+    np.testing.assert_array_equal(sample, want_sample, err_msg=str(weights))
+
+
+def check_exhaustive(sizes):
+    total = int(sum(sizes))
+    index, sample = np.zeros(total, np.int16), np.zeros(total, np.int64)
+    helpers.build_exhaustive_blending_indices(index, sample, sizes, len(sizes))
+    weights = [s / float(total) for s in sizes]
+    want_index, want_sample = reference_blending(weights, total, [int(s) for s in sizes])
+    np.testing.assert_array_equal(index, want_index, err_msg=str(sizes))
+    np.testing.assert_array_equal(sample, want_sample, err_msg=str(sizes))
+
 def test_blending_matches_cpp_loop():
     """Rational and generic weights, many datasets, unnormalized weights (more in test_data_blending.py)."""
     rng = np.random.default_rng(3)
     cases = [[0.5, 0.3, 0.2], [0.25] * 4, [0.7, 0.3], list(rng.dirichlet(np.ones(3))),
              list(rng.dirichlet(np.ones(6))), list(rng.dirichlet(np.ones(60))), [2.0, 1.0]]
     for weights, size in zip(cases, [20000, 9000, 7000, 30000, 4000, 1500, 3000]):
-        index, sample = np.zeros(size, np.int16), np.zeros(size, np.int64)
-        helpers.build_blending_indices(index, sample, weights, len(weights), size, False)
-        want_index, want_sample = reference_blending(weights, size)
-        np.testing.assert_array_equal(index, want_index, err_msg=str(weights))
-        np.testing.assert_array_equal(sample, want_sample, err_msg=str(weights))
+        check_blend(weights, size)
     for sizes in ([3000, 2000, 1000], [5, 4000, 0, 1200], list(rng.integers(1, 900, size=5)), [7]):
-        total = int(sum(sizes))
-        index, sample = np.zeros(total, np.int16), np.zeros(total, np.int64)
-        helpers.build_exhaustive_blending_indices(index, sample, sizes, len(sizes))
-        weights = [s / float(total) for s in sizes]
-        want_index, want_sample = reference_blending(weights, total, [int(s) for s in sizes])
-        np.testing.assert_array_equal(index, want_index, err_msg=str(sizes))
-        np.testing.assert_array_equal(sample, want_sample, err_msg=str(sizes))
+        check_exhaustive(sizes)
 
 
 def test_blending_greedy_rule():
