@@ -88,7 +88,6 @@ def reference_blending(weights, size, caps=None):
     return index, sample
 
 
-
 def check_blend(weights, size):
     index, sample = np.zeros(size, np.int16), np.zeros(size, np.int64)
     helpers.build_blending_indices(index, sample, weights, len(weights), size, False)
@@ -105,6 +104,7 @@ def check_exhaustive(sizes):
     want_index, want_sample = reference_blending(weights, total, [int(s) for s in sizes])
     np.testing.assert_array_equal(index, want_index, err_msg=str(sizes))
     np.testing.assert_array_equal(sample, want_sample, err_msg=str(sizes))
+
 
 def test_blending_matches_cpp_loop():
     """Rational and generic weights, many datasets, unnormalized weights (more in test_data_blending.py)."""
