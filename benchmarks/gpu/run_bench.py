@@ -9,7 +9,7 @@ one per GPU (CUDA_VISIBLE_DEVICES); multi-GPU jobs run under torchrun on all GPU
   python benchmarks/gpu/run_bench.py --yardstick .bench/gpt_baseline.py --configs gpt1.3b llama1b gpt2.7b
   python benchmarks/gpu/run_bench.py ... --configs gpt1.3b gpt1.3b:nocompile --profile gpt1.3b --extra-jobs attn
 
-A config may carry a variant after a colon (`gpt1.3b:nocompile`): see VARIANTS.
+A config may carry variants after a colon (`gpt1.3b:nocompile`, `gpt1.3b-dp2:graph+ctas8`): see VARIANTS.
 """
 import argparse
 import itertools
@@ -89,6 +89,8 @@ VARIANTS = {
     "compile": {"MEGATRON_COMPILE_LAYERS": "1"},
     "eager": {"MEGATRON_COMPILE_LAYERS": "0", "MEGATRON_EAGER_FUSIONS": "1"},
     "simple": {"NCCL_PROTO": "Simple"},  # NCCL's bandwidth protocol only (no LL / LL128)
+    "ctas8": {"NCCL_MAX_CTAS": "8"},  # fewer SMs for NCCL kernels that overlap compute
+    "graph": {"flags": "--enable-cuda-graph"},  # per-layer CUDA graphs
 }
 TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -142,11 +144,15 @@ def ours_job(config, iters_override=None, profile_out=None):
         "--mock-data --tokenizer-type NullTokenizer ", "")
     args = f"{MODELS[model][0]} {common} {flags} --global-batch-size {gbs} --train-iters {iters} --log-interval {interval}"
     args += profile
+    env = {}
+    for part in filter(None, variant.split("+")):  # variants combine: gpt1.3b-dp2:graph+ctas8
+        settings = dict(VARIANTS[part])
+        args += " " + settings.pop("flags", "")
+        env.update(settings)
     launcher = [sys.executable]
     if gpus > 1:
         launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--master-port", str(next(_PORTS))]
     cmd = launcher + script + args.split()
-    env = dict(VARIANTS[variant])
     if "--tensor-model-parallel-size" in flags:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's setting for TP/SP communication ordering
     job = Job(config, cmd, gpus, env, kind="ours")
@@ -245,6 +251,9 @@ def build_jobs(args):
             late.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                           "tests/unit/fusions", "tests/unit/models/test_models_gpu.py",
                                           "tests/unit/tensor_parallel", "tests/unit/test_deferred_checks.py"], 1))
+        elif extra == "graphtests":  # --enable-cuda-graph against eager runs, 1 and 2 GPUs
+            late.append(Job("graph_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-s",
+                                            "tests/functional/test_cuda_graph_gpu.py"], 2))
         elif extra == "gputests2":  # the NCCL parity tests, on 2 GPUs
             late.append(Job("gpu_tests_2", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s",
                                             "tests/parity/test_tp_nccl_gpu.py", "tests/parity/test_dp_nccl.py",

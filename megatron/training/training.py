@@ -612,6 +612,10 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
                         get_position_embedding_ranks=get_position_embedding_ranks, store=store)
     args = get_args()
     timers = get_timers()
+    if args.enable_cuda_graph and torch.cuda.is_available():
+        # Per-layer CUDA graphs are captured on the current stream, which cannot be the legacy default
+        # stream; running everything on one stream also keeps autograd's per-node streams consistent.
+        torch.cuda.set_stream(torch.cuda.Stream())
     if args.log_progress:
         append_to_progress_log("Starting job")
     set_jit_fusion_options()

@@ -2,12 +2,16 @@
 
 `LocalSpecProvider` returns the native Megatron Core modules (tensor-parallel linears, native
 norms, SDPA attention). No Apex or Transformer Engine is needed, and choosing it has no process-wide
-side effects.
+side effects. `TECompatibleLocalSpecProvider` returns the same native modules in Transformer Engine's
+layout (norms fused into `linear_qkv` / `linear_fc1`, TE's state-dict keys): the `transformer_engine`
+spec's fallback when Transformer Engine is absent. `TESpecProvider` (the TE modules themselves) lives in
+`megatron.core.extensions.transformer_engine_spec_provider`.
 """
 from typing import Optional, Protocol, Tuple
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention, TECompatibleDotProductAttention
+from megatron.core.transformer.layernorm_linear import LayerNormColumnParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 
@@ -29,6 +33,9 @@ class BackendSpecProvider(Protocol):
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
         """Norm class (LayerNorm or RMSNorm)."""
+
+    def l2_norm(self) -> type:
+        """L2 norm class (Llama-4 qk norm)."""
 
     def core_attention(self) -> type:
         """Core attention class."""
@@ -80,4 +87,22 @@ class LocalSpecProvider:
         return None
 
 
-__all__ = ["BackendSpecProvider", "LocalSpecProvider"]
+class TECompatibleLocalSpecProvider(LocalSpecProvider):
+    """The native modules in Transformer Engine's layout: norms fused into the following column-parallel
+    linear (`LayerNormColumnParallelLinear`) and TE-like attention, so parameter names and state-dict keys
+    equal those of Megatron's TE models."""
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        """Norms are fused into linear_qkv / linear_fc1."""
+        return True
+
+    def column_parallel_layer_norm_linear(self) -> Optional[type]:
+        """The native fused norm + column-parallel linear."""
+        return LayerNormColumnParallelLinear
+
+    def core_attention(self) -> type:
+        """SDPA attention that, like TE's, ignores the mask of a causal layer."""
+        return TECompatibleDotProductAttention
+
+
+__all__ = ["BackendSpecProvider", "LocalSpecProvider", "TECompatibleLocalSpecProvider"]

@@ -14,6 +14,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.transformer.cuda_graphs import enable_layer_cuda_graphs
 from megatron.core.transformer.layer_compile import compile_forward, layer_compile_requested
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.recompute import checkpointed_call
@@ -99,6 +100,7 @@ class TransformerBlock(MegatronModule):
         if config.recompute_granularity != "selective" and layer_compile_requested(self):
             for layer in self.layers:
                 compile_forward(layer)
+        enable_layer_cuda_graphs(self.layers, config)
 
     def _get_layer(self, layer_number: int):
         return self.layers[layer_number]

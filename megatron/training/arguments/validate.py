@@ -481,8 +481,33 @@ def _validate_misc(args) -> List[str]:
     return problems
 
 
+def _validate_cuda_graph(args) -> List[str]:
+    """--enable-cuda-graph graphs whole layers with one micro-batch in flight (megatron/core/transformer/cuda_graphs.py)."""
+    if not args.enable_cuda_graph:
+        return []
+    rules = [
+        (args.pipeline_model_parallel_size > 1,
+         f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) > 1 keeps several micro-batches "
+         "in flight, which per-layer graphs do not support yet: drop --enable-cuda-graph or use 1."),
+        (bool(args.hidden_dropout) or bool(args.attention_dropout),
+         f"--hidden-dropout ({args.hidden_dropout}) and --attention-dropout ({args.attention_dropout}) must be 0: "
+         "the graphs do not advance the dropout RNG; set both to 0 or drop --enable-cuda-graph."),
+        (args.recompute_granularity is not None or args.recompute_activations,
+         "activation recompute (--recompute-granularity / --recompute-activations) cannot be graphed yet: drop "
+         "one of the two."),
+        (bool(args.num_experts), f"--num-experts ({args.num_experts}): MoE layers cannot be graphed."),
+        (args.overlap_param_gather,
+         "--overlap-param-gather gathers parameters in forward pre-hooks, which cannot run inside a graph: drop "
+         "one of the two."),
+        (args.cuda_graph_warmup_steps < 1,
+         f"--cuda-graph-warmup-steps ({args.cuda_graph_warmup_steps}) must be at least 1."),
+    ]
+    return [f"--enable-cuda-graph: {message}" for broken, message in rules if broken]
+
+
 VALIDATORS = (
     _validate_required, _validate_sizes, _validate_batch, _validate_training_length, _validate_data,
     _validate_shape, _validate_pipeline, _validate_p2p, _validate_overlap_and_sharding, _validate_precision,
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
+    _validate_cuda_graph,
 )

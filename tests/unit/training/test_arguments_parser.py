@@ -78,7 +78,7 @@ def test_manifest_entries_are_well_formed():
             assert entry.get("reason"), f"{flag} needs a reason"
     manifest = load_manifest()
     assert manifest["--use-custom-fsdp"]["instead"] == "--use-torch-fsdp2"
-    assert manifest["--transformer-impl"]["status"] == "accepted"
+    assert manifest["--transformer-impl"]["status"] == "supported"
     assert "zarr" in manifest["--ckpt-format"]["rejected_values"]
     for flag in ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
                  "--use-flash-attn"):

@@ -173,3 +173,16 @@ def test_print_args_format(capsys):
     args.rank = 3
     _print_args("arguments", args)
     assert capsys.readouterr().out == ""
+
+
+def test_cuda_graph_rules_name_each_conflicting_flag():
+    problems = _problems("--enable-cuda-graph --pipeline-model-parallel-size 2 --recompute-activations "
+                         "--cuda-graph-scope attn --cuda-graph-warmup-steps 0", world_size=2)
+    text = "\n".join(problems)
+    for piece in ("--enable-cuda-graph: --pipeline-model-parallel-size (2) > 1",
+                  "--enable-cuda-graph: --hidden-dropout (0.1) and --attention-dropout (0.1) must be 0",
+                  "--enable-cuda-graph: activation recompute", "--cuda-graph-scope attn is not supported",
+                  "--cuda-graph-warmup-steps (0) must be at least 1"):
+        assert piece in text, (piece, text)
+    assert "external" in " ".join(_problems("--external-cuda-graph"))
+    validate_args(_args("--enable-cuda-graph --hidden-dropout 0 --attention-dropout 0"))

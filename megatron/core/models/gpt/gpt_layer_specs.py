@@ -1,21 +1,23 @@
 """Layer specs of GPT models (Megatron Core's function names and signatures).
 
-Both specs build native layers (tensor-parallel linears, native norms, SDPA attention), so neither
-needs Transformer Engine or Apex. The local spec keeps the norms as separate modules
-(`input_layernorm`, `pre_mlp_layernorm`, with `sharded_state_dict_keys_map` naming their TE keys); the
-Transformer Engine spec fuses them into `linear_qkv` / `linear_fc1` as TE does, so its parameter names
-and order equal those of Megatron's default TE models.
+The local spec builds native layers with the norms as separate modules (`input_layernorm`,
+`pre_mlp_layernorm`, with `sharded_state_dict_keys_map` naming their TE keys). The Transformer Engine
+spec fuses the norms into `linear_qkv` / `linear_fc1` as TE does, so its parameter names and order equal
+those of Megatron's default TE models. It builds TE's modules (`TESpecProvider`) when
+`transformer_engine.pytorch` imports, and otherwise the native modules in the same layout
+(`TECompatibleLocalSpecProvider`), saying so in one info line per process: Transformer Engine is never
+required, and the two builds load each other's checkpoints.
 """
 import logging
 from typing import Optional
 
+from megatron.core.extensions.transformer_engine import import_transformer_engine
+from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.backends import LocalSpecProvider, TECompatibleLocalSpecProvider
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import TECompatibleDotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.layernorm_linear import LayerNormColumnParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -28,12 +30,25 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
     get_transformer_layer_offset,
 )
-from megatron.core.utils import module_available
 
 logger = logging.getLogger(__name__)
 
 _KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 _te_notice_logged = False
+
+
+def _transformer_engine_backend():
+    """`TESpecProvider` when Transformer Engine imports; else the native layers in TE's layout, with one
+    info line per process."""
+    global _te_notice_logged
+    try:
+        import_transformer_engine()
+    except ImportError as error:
+        if not _te_notice_logged:
+            logger.info("%s: the transformer_engine layer spec builds the native layers (same parameter names).", error)
+            _te_notice_logged = True
+        return TECompatibleLocalSpecProvider()
+    return TESpecProvider()
 
 
 def _unsupported(num_experts, multi_latent_attention, use_kitchen):
@@ -45,16 +60,13 @@ def _unsupported(num_experts, multi_latent_attention, use_kitchen):
         raise ValueError("use_kitchen: nvidia_kitchen layers are not supported.")
 
 
-def _dense_layer_spec(
-    backend, qk_layernorm: bool, qk_l2_norm: bool, normalization: Optional[str], fuse_norm: bool = False
-) -> ModuleSpec:
-    """A dense layer; with `fuse_norm` the norms sit inside linear_qkv / linear_fc1 (TE's layout and keys)."""
+def _dense_layer_spec(backend, qk_layernorm: bool, qk_l2_norm: bool, normalization: Optional[str]) -> ModuleSpec:
+    """A dense layer; a backend that fuses norms puts them inside linear_qkv / linear_fc1 (TE's layout and keys)."""
     rms = normalization == "RMSNorm"
+    fuse_norm = backend.fuse_layernorm_and_linear()
     layer_norm = IdentityOp if fuse_norm else backend.layer_norm(rms_norm=rms, for_qk=False)
-    qkv = LayerNormColumnParallelLinear if fuse_norm else backend.column_parallel_linear()
-    qk_norm = backend.layer_norm(rms_norm=rms, for_qk=True)
-    if qk_l2_norm:
-        qk_norm = backend.l2_norm()
+    qkv = backend.column_parallel_layer_norm_linear() if fuse_norm else backend.column_parallel_linear()
+    qk_norm = backend.l2_norm() if qk_l2_norm else backend.layer_norm(rms_norm=rms, for_qk=True)
     q_k_norm = qk_norm if (qk_layernorm or qk_l2_norm) else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
@@ -65,7 +77,7 @@ def _dense_layer_spec(
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=qkv,
-                    core_attention=TECompatibleDotProductAttention if fuse_norm else backend.core_attention(),
+                    core_attention=backend.core_attention(),
                     linear_proj=backend.row_parallel_linear(),
                     q_layernorm=q_k_norm,
                     k_layernorm=q_k_norm,
@@ -73,11 +85,20 @@ def _dense_layer_spec(
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=layer_norm,
-            mlp=get_mlp_module_spec(use_te=fuse_norm),
+            mlp=_mlp_spec(backend),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={} if fuse_norm else dict(_KEYS_MAP),
         ),
     )
+
+
+def _mlp_spec(backend) -> ModuleSpec:
+    """A dense MLP of `backend`'s modules (the pre-MLP norm inside fc1 when the backend fuses norms)."""
+    if backend.fuse_layernorm_and_linear():
+        fc1 = backend.column_parallel_layer_norm_linear()
+    else:
+        fc1 = backend.column_parallel_linear()
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear()))
 
 
 def get_gpt_layer_local_spec(
@@ -107,14 +128,11 @@ def get_gpt_layer_with_transformer_engine_spec(
     use_te_op_fuser: Optional[bool] = False,
     use_kitchen: bool = False,
 ) -> ModuleSpec:
-    """Megatron's default (`--transformer-impl transformer_engine`) spec; built from native modules here."""
-    global _te_notice_logged
-    if not _te_notice_logged:
-        reason = "is not installed" if not module_available("transformer_engine") else "is not used by this framework"
-        logger.info("Transformer Engine %s: the transformer_engine layer spec builds the native layers.", reason)
-        _te_notice_logged = True
+    """Megatron's default (`--transformer-impl transformer_engine`) spec: TE's modules when Transformer
+    Engine imports, else the native modules in TE's layout (one info line per process)."""
+    backend = _transformer_engine_backend()
     _unsupported(num_experts, multi_latent_attention, use_kitchen)
-    return _dense_layer_spec(LocalSpecProvider(), bool(qk_layernorm), bool(qk_l2_norm), None, fuse_norm=True)
+    return _dense_layer_spec(backend, bool(qk_layernorm), bool(qk_l2_norm), None)
 
 
 def get_mlp_module_spec(
@@ -125,12 +143,11 @@ def get_mlp_module_spec(
     moe_use_legacy_grouped_gemm: Optional[bool] = False,
     use_te_op_fuser: Optional[bool] = False,
 ) -> ModuleSpec:
-    """Spec of a dense MLP; with `use_te` the pre-MLP norm is fused into fc1 (TE's layout and keys)."""
+    """Spec of a dense MLP; with `use_te` the pre-MLP norm is fused into fc1 (TE's layout and keys), built
+    from TE's modules when Transformer Engine imports."""
     if num_experts:
         raise ValueError(f"num_experts ({num_experts}): mixture-of-experts layers are not supported yet.")
-    backend = LocalSpecProvider()
-    fc1 = LayerNormColumnParallelLinear if use_te else backend.column_parallel_linear()
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=backend.row_parallel_linear()))
+    return _mlp_spec(_transformer_engine_backend() if use_te else LocalSpecProvider())
 
 
 def _moe_pattern(config: TransformerConfig):
@@ -154,14 +171,16 @@ def get_gpt_decoder_block_spec(
         raise ValueError("num_moe_experts: mixture-of-experts layers are not supported yet.")
     if use_transformer_engine:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, qk_l2_norm=qk_l2_norm)
+        final_norm = _transformer_engine_backend().layer_norm()
     else:
         layer_spec = get_gpt_layer_local_spec(
             qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm
         )
+        final_norm = LocalSpecProvider().layer_norm()
     layer_specs = [layer_spec] * config.num_layers
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     local_specs = layer_specs[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
-    return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=LocalSpecProvider().layer_norm())
+    return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=final_norm)
 
 
 __all__ = [

@@ -1,0 +1,51 @@
+"""CPU side of per-layer CUDA graphs: on CPU the flag leaves the layers alone (one info line), and the
+config rules match the argument validation. The graphs themselves are checked on GPUs by
+tests/functional/test_cuda_graph_gpu.py."""
+import logging
+
+import torch
+
+from megatron.core.transformer.cuda_graphs import GraphedLayer, cuda_graph_problems, enable_layer_cuda_graphs
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _config(**kwargs):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, enable_cuda_graph=True,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    base.update(kwargs)
+    return TransformerConfig(**base)
+
+
+def test_cpu_layers_stay_eager_with_one_info_line(caplog):
+    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    forwards = [layer.forward for layer in layers]
+    with caplog.at_level(logging.INFO, logger="megatron.core.transformer.cuda_graphs"):
+        assert enable_layer_cuda_graphs(layers, _config()) is False
+    assert [layer.forward for layer in layers] == forwards
+    assert sum("not on a CUDA device" in r.getMessage() for r in caplog.records) == 1
+    assert enable_layer_cuda_graphs(layers, _config(enable_cuda_graph=False)) is False
+
+
+def test_config_rules():
+    assert cuda_graph_problems(_config()) == []
+    problems = cuda_graph_problems(_config(hidden_dropout=0.1, recompute_granularity="full", recompute_method="uniform",
+                                           recompute_num_layers=1))
+    assert len(problems) == 2 and "dropout" in problems[0] and "recompute" in problems[1]
+
+
+def test_graphed_layer_runs_eagerly_outside_training_with_grad():
+    layer = torch.nn.Linear(4, 4)
+    calls = []
+
+    def forward(hidden_states, **kwargs):
+        calls.append(hidden_states.shape)
+        return layer.__class__.forward(layer, hidden_states), None
+
+    layer.forward = forward
+    graphed = GraphedLayer(layer, graph_pool=None)
+    with torch.no_grad():
+        output, context = graphed(torch.ones(2, 4))
+    assert output.shape == (2, 4) and context is None and calls == [(2, 4)]
+    layer.eval()
+    graphed(torch.ones(3, 4, requires_grad=True))
+    assert calls[-1] == (3, 4) and graphed.forward_graph is None
