@@ -26,7 +26,6 @@ GPU_CONFIGS = [  # name, kind, sequence_parallel, recompute
     ("gpt-sp-selective", "gpt", True, "selective"),
     ("llama-sp", "llama", True, None),
     ("llama-sp-full-block", "llama", True, "full-block"),
-    ("gpt-sp-overlap", "gpt", "overlap", None),
 ]
 
 
