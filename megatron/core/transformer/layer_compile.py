@@ -6,9 +6,10 @@ custom autograd functions that the compiler traces as they are (their weight-gra
 into `main_grad` included), so the numbers do not change beyond rounding.
 
 Switch: the environment variable `MEGATRON_COMPILE_LAYERS` = `1` (always), `0` (never) or `auto`
-(default: on when the layer's parameters live on a CUDA device and the measured win, recorded in
-docs/performance.md, holds; never on CPU). Compilation happens on the first forward pass; its time
-shows up in the first logged iterations only, which the benchmark excludes from steady-state numbers.
+(default: on when the layer's parameters live on a CUDA device and the hidden size is at least 2048,
+where the measured win recorded in docs/performance.md holds; never on CPU). Compilation happens on the
+first forward pass; its time shows up in the first logged iterations only, which the benchmark excludes
+from steady-state numbers.
 """
 import logging
 import os
@@ -17,9 +18,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Default of `auto` on CUDA: on an H200, GPT-1.3B through pretrain_gpt.py ran at 482 TFLOP/s/GPU with
-# compiled layers and 469 without (+2.9%; about 10 s more compile time), docs/performance.md.
+# Default of `auto` on CUDA: on an H200, GPT-1.3B (hidden 2048) through pretrain_gpt.py ran at 482 TFLOP/s/GPU
+# with compiled layers and 469 without (+2.9%; about 10 s more compile time), while a 12-layer model of hidden
+# 1024 (seq 1024, micro-batch 8) ran at 160 compiled and 183 eager (-13%: its layers are too small for the
+# compiled layers' per-call host work to pay), docs/performance.md. Hence: compile from this hidden size up.
 COMPILE_LAYERS_ON_CUDA_BY_DEFAULT = True
+MIN_HIDDEN_SIZE_TO_COMPILE_BY_DEFAULT = 2048
 # One compiled graph is shared by all layers of a model; allow enough re-specialisations for a model
 # whose layers differ (first/last layer, different shapes per pipeline stage).
 _MIN_CACHE_SIZE = 64
@@ -35,7 +39,9 @@ def layer_compile_requested(module: torch.nn.Module) -> bool:
     if mode != "auto":
         raise ValueError(f"MEGATRON_COMPILE_LAYERS ({mode!r}) must be 1, 0 or auto.")
     params = list(module.parameters())
-    return COMPILE_LAYERS_ON_CUDA_BY_DEFAULT and bool(params) and params[0].is_cuda
+    config = getattr(module, "config", None)
+    large = config is None or config.hidden_size >= MIN_HIDDEN_SIZE_TO_COMPILE_BY_DEFAULT
+    return COMPILE_LAYERS_ON_CUDA_BY_DEFAULT and large and bool(params) and params[0].is_cuda
 
 
 def compile_forward(module: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:
@@ -66,4 +72,5 @@ def compile_forward(module: torch.nn.Module, backend: str = "inductor") -> torch
     return module
 
 
-__all__ = ["layer_compile_requested", "compile_forward", "COMPILE_LAYERS_ON_CUDA_BY_DEFAULT"]
+__all__ = ["layer_compile_requested", "compile_forward", "COMPILE_LAYERS_ON_CUDA_BY_DEFAULT",
+           "MIN_HIDDEN_SIZE_TO_COMPILE_BY_DEFAULT"]

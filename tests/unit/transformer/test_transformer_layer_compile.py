@@ -47,3 +47,22 @@ def test_layer_compile_switch_and_compiled_block_matches_eager(monkeypatch):
     torch.testing.assert_close(losses[1], losses[0])
     for a, b in zip(compiled.parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_auto_compiles_only_large_cuda_layers(monkeypatch):
+    monkeypatch.delenv("MEGATRON_COMPILE_LAYERS", raising=False)
+
+    class FakeBlock(torch.nn.Module):
+        def __init__(self, hidden_size, on_cuda):
+            super().__init__()
+            self.config = type("Config", (), {"hidden_size": hidden_size})()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.on_cuda = on_cuda
+
+        def parameters(self, recurse=True):
+            weight = type("P", (), {"is_cuda": self.on_cuda})()
+            return iter([weight])
+
+    assert layer_compile.layer_compile_requested(FakeBlock(2048, True))
+    assert not layer_compile.layer_compile_requested(FakeBlock(1024, True))
+    assert not layer_compile.layer_compile_requested(FakeBlock(4096, False))
