@@ -2,7 +2,8 @@
 
 Each rank first trains the single-process model (TP=1) on its own GPU in fp32 and in bf16, then the TP=2
 model in bf16, for the GPT and Llama-style configurations of the CPU parity test with and without sequence
-parallelism (no dropout), three SGD-with-momentum steps. "Within bf16 tolerances" is measured, not assumed: the
+parallelism (no dropout), three SGD-with-momentum steps; two TP=2 cases also run with compiled layers.
+"Within bf16 tolerances" is measured, not assumed: the
 TP=2 run's deviation from the TP=1 bf16 run (largest relative loss error over the steps, largest relative L2
 error of any gathered gradient) must not exceed 1.5x the deviation of the TP=1 bf16 run from the TP=1 fp32 run,
 i.e. tensor parallelism adds no more error than bf16 itself. (On CPU with gloo the same comparison gives
@@ -26,7 +27,18 @@ GPU_CONFIGS = [  # name, kind, sequence_parallel, recompute
     ("gpt-sp-selective", "gpt", True, "selective"),
     ("llama-sp", "llama", True, None),
     ("llama-sp-full-block", "llama", True, "full-block"),
+    # the same with the layers compiled (the default on GPUs from hidden size 2048): collectives traced
+    ("gpt-sp-compiled", "gpt", True, None),
+    ("llama-sp-compiled", "llama", True, None),
 ]
+
+
+def _train_tp2(name, kind, sp, recompute, group):
+    os.environ["MEGATRON_COMPILE_LAYERS"] = "1" if name.endswith("-compiled") else "0"
+    try:
+        return _train(kind, 2, sp, 0.0, 0.0, recompute, group, device="cuda", dtype=torch.bfloat16)
+    finally:
+        del os.environ["MEGATRON_COMPILE_LAYERS"]
 
 
 def _worst(got, want):
@@ -48,8 +60,7 @@ def _worker(rank, world_size, init_file, out_dir):
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=2)
         group = ps.get_tensor_model_parallel_group()
-        tp2 = {name: _train(kind, 2, sp, 0.0, 0.0, recompute, group, device="cuda", dtype=torch.bfloat16)
-               for name, kind, sp, recompute in GPU_CONFIGS}
+        tp2 = {name: _train_tp2(name, kind, sp, recompute, group) for name, kind, sp, recompute in GPU_CONFIGS}
         ps.destroy_model_parallel()
         noise = {kind: _worst(single[(kind, str(torch.bfloat16))], single[(kind, str(torch.float32))])
                  for kind in ("gpt", "llama")}

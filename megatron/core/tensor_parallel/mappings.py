@@ -173,6 +173,9 @@ def all_reduce_tensor(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_o
     """All-reduce `tensor` in place over `group` (no autograd); returns the work handle when async."""
     if _world_size(group) == 1:
         return None
+    if async_op and torch.compiler.is_compiling():
+        dist.all_reduce(tensor, op=op, group=group)  # traced: see PendingCollective
+        return PendingCollective(None, lambda: tensor)
     handle = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return handle if async_op else None
 
@@ -191,7 +194,10 @@ class PendingCollective:
     """A collective launched with `async_op=True`; `wait()` returns its result.
 
     On NCCL the wait only orders the current stream after the collective (no host block), so GEMMs
-    queued between the launch and the wait run while the data moves.
+    queued between the launch and the wait run while the data moves. Inside a `torch.compile` trace the
+    collectives are issued without `async_op` (the compiler cannot trace work handles and would split the
+    layer's graph at each one); the compiler turns them into its own asynchronous collectives, waited for
+    at the first use of the result, which keeps the GEMMs queued in between overlapping.
     """
 
     def __init__(self, handle, finish):
@@ -211,6 +217,9 @@ def all_gather_along_first_dim_async(input_: torch.Tensor, group=None) -> Pendin
     if world_size == 1:
         return PendingCollective(None, lambda: input_)
     input_ = input_.contiguous()
+    if torch.compiler.is_compiling():
+        output = _all_gather_dim0(input_, group)
+        return PendingCollective(None, lambda: output)
     if not _is_gloo(group):
         # [s/tp, b, h] -> [s, b, h]
         output = torch.empty((input_.shape[0] * world_size,) + tuple(input_.shape[1:]), dtype=input_.dtype,
@@ -234,6 +243,9 @@ def reduce_scatter_along_first_dim_async(input_: torch.Tensor, group=None) -> Pe
         )
     input_ = input_.contiguous()
     size = input_.shape[0] // world_size
+    if torch.compiler.is_compiling():
+        output = _reduce_scatter_dim0(input_, group)
+        return PendingCollective(None, lambda: output)
     if not _is_gloo(group):
         # [s, b, h] -> [s/tp, b, h]
         output = torch.empty((size,) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
