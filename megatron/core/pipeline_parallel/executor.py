@@ -298,7 +298,10 @@ class _Runner:
             is_last_stage=self.is_last(chunk),
             cp_group_size=run.cp_group_size,
         )
-        self.total_num_tokens += torch.as_tensor(num_tokens).to(self.total_num_tokens.device, torch.int)
+        if self.is_last(chunk):
+            # Only the last stage counts tokens; elsewhere num_tokens is a host zero, and copying it from
+            # pageable memory would synchronise the host with the GPU once per micro-batch.
+            self.total_num_tokens += torch.as_tensor(num_tokens).to(self.total_num_tokens.device, torch.int)
         self.forward_ordinal += 1
         if not self.is_last(chunk):
             self.to_send_next[key] = output_tensor
