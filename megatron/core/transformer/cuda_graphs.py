@@ -23,6 +23,7 @@ tensor-parallel RNG tracker's generators), no activation recompute, no parameter
 outside this scope (evaluation, no-grad, another input shape) run the layer eagerly. On CPU the flag
 does nothing beyond one info line.
 """
+import contextlib
 import logging
 from typing import Dict, List, Optional, Tuple
 
@@ -42,16 +43,21 @@ class _GraphPool:
         self.static_tensors: Dict[int, torch.Tensor] = {}
         self.captured_layers = 0
 
-    def capture(self, graph: "torch.cuda.CUDAGraph", fn):
-        """Capture `fn()` into `graph` on `capture_stream()` (no gc/empty_cache, unlike `torch.cuda.graph`)."""
-        torch.cuda.synchronize()
+    def run(self, fn, graph: Optional["torch.cuda.CUDAGraph"] = None):
+        """`fn()` on `capture_stream()`, captured into `graph` when one is given (no gc / empty_cache,
+        unlike `torch.cuda.graph`); the current stream then waits for it."""
+        if graph is not None:
+            torch.cuda.synchronize()
         stream = self.capture_stream()
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
+            if graph is None:
                 result = fn()
-            finally:
-                graph.capture_end()
+            else:
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    result = fn()
+                finally:
+                    graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         return result
 
@@ -81,6 +87,22 @@ class _GraphPool:
                 and known.dtype == tensor.dtype:
             return known
         return None
+
+
+@contextlib.contextmanager
+def main_grad_flags_restored(params, reset: bool = False):
+    """Keep the parameters' `grad_added_to_main_grad` flags (DDP's) as they are outside the block; with
+    `reset`, the block starts with them False. Parameters without the flag are left alone."""
+    flagged = [p for p in params if hasattr(p, "grad_added_to_main_grad")]
+    before = [p.grad_added_to_main_grad for p in flagged]
+    if reset:
+        for param in flagged:
+            param.grad_added_to_main_grad = False
+    try:
+        yield
+    finally:
+        for param, flag in zip(flagged, before):
+            param.grad_added_to_main_grad = flag
 
 
 def _detached(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -186,7 +208,7 @@ class GraphedLayer:
 
         self._warm_up(run)
         graph = torch.cuda.CUDAGraph()
-        self.static_output = self.graph_pool.capture(graph, run)
+        self.static_output = self.graph_pool.run(run, graph)
         self.forward_graph = graph
         self.graph_pool.remember(self.static_output)
         if self.graph_pool.captured_layers == 0:
@@ -203,35 +225,27 @@ class GraphedLayer:
         communicator) happens before capturing. The backward gets a zero output gradient: the weight
         gradients it adds into `main_grad` are zeros, and the `grad_added_to_main_grad` flags it sets are
         restored."""
-        flags_before = [getattr(p, "grad_added_to_main_grad", None) for p in self.params]
-        stream = self.graph_pool.capture_stream()
-        with torch.cuda.stream(stream):
+        def forward_backward():
             output = run()
             torch.autograd.grad(output, self._grad_inputs(), grad_outputs=torch.zeros_like(output), allow_unused=True)
-        torch.cuda.current_stream().wait_stream(stream)
-        for param, before in zip(self.params, flags_before):
-            if before is not None:
-                param.grad_added_to_main_grad = before
+
+        with main_grad_flags_restored(self.params):
+            self.graph_pool.run(forward_backward)
 
     def _capture_backward(self, grad_output: torch.Tensor) -> None:
         alias = self.graph_pool.static_alias(grad_output)
         self.static_grad_output = alias if alias is not None else torch.empty_like(grad_output)
         grad_inputs = self._grad_inputs()
-        flags_before = [getattr(p, "grad_added_to_main_grad", None) for p in self.params]
-        for param in self.params:
-            if hasattr(param, "grad_added_to_main_grad"):
-                param.grad_added_to_main_grad = False
 
         def run():
             return torch.autograd.grad(self.static_output, grad_inputs, grad_outputs=self.static_grad_output,
                                        allow_unused=True)
 
         graph = torch.cuda.CUDAGraph()
-        self.static_grads = self.graph_pool.capture(graph, run)
-        self.fused_params = [bool(getattr(p, "grad_added_to_main_grad", False)) for p in self.params]
-        for param, before in zip(self.params, flags_before):
-            if before is not None:
-                param.grad_added_to_main_grad = before
+        with main_grad_flags_restored(self.params, reset=True):
+            self.static_grads = self.graph_pool.run(run, graph)
+            # the weights whose gradient the captured backward adds into main_grad
+            self.fused_params = [bool(getattr(p, "grad_added_to_main_grad", False)) for p in self.params]
         self.backward_graph = graph
         num_input_grads = len(grad_inputs) - len(self.params)
         for grad in self.static_grads[:num_input_grads]:

@@ -49,3 +49,18 @@ def test_graphed_layer_runs_eagerly_outside_training_with_grad():
     layer.eval()
     graphed(torch.ones(3, 4, requires_grad=True))
     assert calls[-1] == (3, 4) and graphed.forward_graph is None
+
+
+def test_main_grad_flags_are_restored_after_warm_up_and_capture():
+    from megatron.core.transformer.cuda_graphs import main_grad_flags_restored
+
+    flagged, fused, plain = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    flagged.grad_added_to_main_grad, fused.grad_added_to_main_grad = True, False
+    with main_grad_flags_restored([flagged, fused, plain], reset=True):
+        assert flagged.grad_added_to_main_grad is False and fused.grad_added_to_main_grad is False
+        fused.grad_added_to_main_grad = True  # what a fused linear's backward does
+    assert flagged.grad_added_to_main_grad is True and fused.grad_added_to_main_grad is False
+    assert not hasattr(plain, "grad_added_to_main_grad")
+    with main_grad_flags_restored([fused]):
+        fused.grad_added_to_main_grad = True
+    assert fused.grad_added_to_main_grad is False
