@@ -137,7 +137,6 @@ class GraphedLayer:
         self.params: List[torch.nn.Parameter] = [p for p in layer.parameters() if p.requires_grad]
         self.calls = 0
         self.key = None
-        self.names: Tuple[str, ...] = ()
         self.num_inputs = 0
         self.static_inputs: List[torch.Tensor] = []
         self.static_output = self.static_grad_output = None
@@ -191,7 +190,7 @@ class GraphedLayer:
 
     # ----- capture -----
     def _capture_forward(self, names, tensors, key) -> None:
-        self.names, self.key, self.num_inputs = names, key, len(tensors)
+        self.key, self.num_inputs = key, len(tensors)
         static_inputs = []
         for tensor in tensors:
             alias = self.graph_pool.static_alias(tensor)
