@@ -76,6 +76,8 @@ CONFIGS = {
     "gpt1.3b-pp1-m16": ("gpt1.3b", 1, "", 128, 6, 2),
     "gpt1.3b-pp2-m16-split": ("gpt1.3b", 2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 13",
                               128, 6, 2),
+    "gpt1.3b-dp2-distopt": ("gpt1.3b", 2, "--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather",
+                            16, 40, 5),
     "gpt1.3b-dp2-nocheck": ("gpt1.3b", 2, "--overlap-grad-reduce --no-check-for-nan-in-loss-and-grad", 16, 20, 5),
     "text200": ("gpt-small-text", 1, "--lr 3e-4 --lr-warmup-iters 20", 16, 200, 10),
     "text200-mbs4": ("gpt-small-text", 1, "--lr 3e-4 --lr-warmup-iters 20 --micro-batch-size 4", 16, 200, 10),
@@ -221,10 +223,12 @@ def derived(results):
             p, m = 2, int(found.group(1))
             out[f"{name}_ideal_efficiency"] = round(1 - (p - 1) / (m + p - 1), 3)
             out[f"{name}_efficiency_vs_pp1"] = round(value / t[f"gpt1.3b-pp1-m{m}"], 3)
-    if t.get("gpt1.3b-dp2") and t.get("gpt1.3b"):
-        out["dp2_scaling_efficiency"] = round(t["gpt1.3b-dp2"] / t["gpt1.3b"], 3)
-    if t.get("gpt1.3b-tp2-sp") and t.get("gpt1.3b"):
-        out["tp2_sp_fraction_of_tp1_per_gpu"] = round(t["gpt1.3b-tp2-sp"] / t["gpt1.3b"], 3)
+    for name, value in t.items():  # variants too: each against the plain 1-GPU run of the same job
+        one_gpu = t.get("gpt1.3b:graph" if "graph" in name.partition(":")[2] else "gpt1.3b")
+        if value and one_gpu and name.startswith("gpt1.3b-dp2"):
+            out[f"{name}_scaling_efficiency"] = round(value / one_gpu, 3)
+        if value and one_gpu and name.startswith("gpt1.3b-tp2-sp"):
+            out[f"{name}_fraction_of_tp1_per_gpu"] = round(value / one_gpu, 3)
     return out
 
 

@@ -179,6 +179,25 @@ def clip_grad_by_total_norm_fp32(
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def defer_clip_to_fused_adam(optimizer, max_norm: float, total_norm: torch.Tensor,
+                             use_decoupled_grad: bool = False) -> bool:
+    """Leave Megatron's clipping (`clip_grad_by_total_norm_fp32`) to the next step of a fused torch Adam /
+    AdamW: its kernel divides every grad by the tensor `optimizer.grad_scale` while it reads it (the hook
+    torch's GradScaler uses), so the clip costs no pass of its own over the grads. The divisor is
+    `1 / clamp(max_norm / (total_norm + 1e-6), max=1)`, exactly 1.0 when nothing is clipped; the kernel
+    writes the clipped grads back. Returns False (nothing set) when the optimizer cannot take it; whoever
+    steps must drop the attribute afterwards (`optimizer.__dict__.pop("grad_scale", None)`)."""
+    fused = isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW)
+    fused = fused and bool(optimizer.param_groups) and all(group.get("fused") for group in optimizer.param_groups)
+    if not fused or use_decoupled_grad or not isinstance(total_norm, torch.Tensor):
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return False  # somebody else (a GradScaler) drives these
+    coefficient = torch.clamp(max_norm / (total_norm.detach().double() + 1.0e-6), max=1.0)
+    optimizer.grad_scale = (1.0 / coefficient).float()
+    return True
+
+
 def count_zeros_fp32_tensor(
     parameters: Union[List[torch.Tensor], torch.Tensor],
     grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
-from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _timed
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _multi_tensor_copy_this_to_that, _timed
 from megatron.core.optimizer.sharded_state import (
     DP_ZERO_SHARDING_TYPE,
     SHARDING_TYPE,
@@ -325,14 +325,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _copy_main_params_to_model_params(self):
         """Write updated fp32 shards into the DDP parameter buffer (fp32 shards already live there)."""
         model_data, main_data = self._get_model_and_main_params_data_float16()
-        for model, main in zip(model_data, main_data):
-            model.copy_(main)
+        _multi_tensor_copy_this_to_that(this=main_data, that=model_data)
 
     def _copy_model_params_to_main_params(self):
         """Refresh fp32 shards from the model params (after loading model weights)."""
         model_data, main_data = self._get_model_and_main_params_data_float16()
-        for model, main in zip(model_data, main_data):
-            main.copy_(model)
+        _multi_tensor_copy_this_to_that(this=model_data, that=main_data)
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32_tensor,
+    defer_clip_to_fused_adam,
     get_grad_norm_fp32_tensor,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
@@ -66,6 +67,14 @@ def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool) -> Non
         else:
             param.grad.requires_grad_(False)
         param.grad.zero_()
+
+
+def _inner_step(optimizer) -> None:
+    """`optimizer.step()`, then drop a clip coefficient handed to it (`defer_clip_to_fused_adam`)."""
+    try:
+        optimizer.step()
+    finally:
+        optimizer.__dict__.pop("grad_scale", None)
 
 
 def _multi_tensor_copy_this_to_that(this: List[torch.Tensor], that: List[torch.Tensor]) -> None:
@@ -202,16 +211,18 @@ class MegatronOptimizer(ABC):
         """Global L2 norm of the main grads (no clipping)."""
         return self.get_grad_norm_tensor().item()
 
-    def clip_grad_norm_tensor(self, clip_grad: float) -> torch.Tensor:
+    def clip_grad_norm_tensor(self, clip_grad: float, defer_to_step: bool = False) -> torch.Tensor:
         """Clip all main grads to global norm `clip_grad` with a device-side coefficient; return the
-        pre-clip norm as a 0-dim device tensor (no host sync)."""
+        pre-clip norm as a 0-dim device tensor (no host sync). `defer_to_step`: a fused inner Adam(W)
+        applies the coefficient in its next step instead (`defer_clip_to_fused_adam`)."""
         params = self.get_parameters()
         grads_for_norm = self.get_main_grads_for_grad_norm() if params else []
         grad_norm = get_grad_norm_fp32_tensor(
             grads_for_norm, grad_stats_parallel_group=self.get_grad_stats_parallel_group()
         )
-        if params:
-            clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm, self.config.use_precision_aware_optimizer)
+        decoupled = self.config.use_precision_aware_optimizer
+        if params and not (defer_to_step and defer_clip_to_fused_adam(self.optimizer, clip_grad, grad_norm, decoupled)):
+            clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm, decoupled)
         return grad_norm
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -397,7 +408,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         """Inner optimizer step, then copy main params into the model params."""
         with _timed(self.config, "optimizer-inner-step"):
             if not self.is_stub_optimizer:
-                self.optimizer.step()
+                _inner_step(self.optimizer)
         with _timed(self.config, "optimizer-copy-main-to-model-params"):
             if not self.is_stub_optimizer:
                 self._copy_main_params_to_model_params()
@@ -414,7 +425,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         grad_norm = 0.0
         with _timed(self.config, "optimizer-clip-main-grad"):
             if self.config.clip_grad > 0.0:
-                grad_norm = self.clip_grad_norm_tensor(self.config.clip_grad)
+                grad_norm = self.clip_grad_norm_tensor(self.config.clip_grad, defer_to_step=True)
         with _timed(self.config, "optimizer-count-zeros"):
             num_zeros_in_grad = self.count_zeros_tensor() if self.config.log_num_zeros_in_grad else None
         success = self.step_with_ready_grads()
@@ -584,7 +595,7 @@ class FP32Optimizer(MegatronOptimizer):
         """Inner optimizer step."""
         with _timed(self.config, "optimizer-inner-step"):
             if not self.is_stub_optimizer:
-                self.optimizer.step()
+                _inner_step(self.optimizer)
         return True
 
     @torch.no_grad()
@@ -595,7 +606,7 @@ class FP32Optimizer(MegatronOptimizer):
         grad_norm = None
         with _timed(self.config, "optimizer-clip-main-grad"):
             if self.config.clip_grad > 0.0:
-                grad_norm = self.clip_grad_norm_tensor(self.config.clip_grad)
+                grad_norm = self.clip_grad_norm_tensor(self.config.clip_grad, defer_to_step=True)
         with _timed(self.config, "optimizer-count-zeros"):
             num_zeros_in_grad = self.count_zeros_tensor() if self.config.log_num_zeros_in_grad else None
         success = self.step_with_ready_grads()
@@ -754,11 +765,9 @@ class ChainedOptimizer(MegatronOptimizer):
         for opt in self.chained_optimizers:
             if getattr(opt, "is_stub_optimizer", False):
                 continue
-            params = opt.get_parameters()
-            if params and opt.config.clip_grad > 0.0:
-                clip_grad_by_total_norm_fp32(
-                    params, opt.config.clip_grad, grad_norm, opt.config.use_precision_aware_optimizer
-                )
+            params, clip, decoupled = opt.get_parameters(), opt.config.clip_grad, opt.config.use_precision_aware_optimizer
+            if params and clip > 0.0 and not defer_clip_to_fused_adam(opt.optimizer, clip, grad_norm, decoupled):
+                clip_grad_by_total_norm_fp32(params, clip, grad_norm, decoupled)
         num_zeros_in_grad = 0
         for opt in self.chained_optimizers:
             if opt.config.log_num_zeros_in_grad:

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from megatron.core import parallel_state
 
@@ -65,6 +66,8 @@ def _all_gather_dim0(input_: torch.Tensor, group, output_split_sizes: Optional[L
     else:
         sizes = list(output_split_sizes)
     if output_split_sizes is None and not _is_gloo(group):
+        if torch.compiler.is_compiling():  # the traceable functional form (not the in-place call)
+            return funcol.all_gather_tensor(input_, 0, group)
         output = torch.empty((sizes[0] * world_size,) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
         dist.all_gather_into_tensor(output, input_, group=group)
         return output
@@ -94,6 +97,8 @@ def _reduce_scatter_dim0(input_: torch.Tensor, group, input_split_sizes: Optiona
     else:
         sizes = list(input_split_sizes)
     if input_split_sizes is None and not _is_gloo(group):
+        if torch.compiler.is_compiling():
+            return funcol.reduce_scatter_tensor(input_, "sum", 0, group)
         output = torch.empty((sizes[0],) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
         dist.reduce_scatter_tensor(output, input_, group=group)
         return output
@@ -196,8 +201,8 @@ class PendingCollective:
     On NCCL the wait only orders the current stream after the collective (no host block), so GEMMs
     queued between the launch and the wait run while the data moves. Inside a `torch.compile` trace the
     collectives are issued without `async_op` (the compiler cannot trace work handles and would split the
-    layer's graph at each one); the compiler turns them into its own asynchronous collectives, waited for
-    at the first use of the result, which keeps the GEMMs queued in between overlapping.
+    layer's graph at each one) through torch's functional collectives; the compiler then waits for each
+    one where it was issued (no overlap).
     """
 
     def __init__(self, handle, finish):

@@ -10,6 +10,14 @@ Switch: the environment variable `MEGATRON_COMPILE_LAYERS` = `1` (always), `0` (
 where the measured win recorded in docs/performance.md holds; never on CPU). Compilation happens on the
 first forward pass; its time shows up in the first logged iterations only, which the benchmark excludes
 from steady-state numbers.
+
+Not by default: layers with tensor parallelism and sequence parallelism. On two H200s with NCCL
+(2026-11-30) such compiled layers produced zero gradients for every layer parameter (the NCCL parity test
+`tests/parity/test_tp_nccl_gpu.py`, cases `*-sp-compiled`, also with inductor's passes replaced by
+`aot_eager`); the same layers on CPU with gloo, the NCCL code branch included, are exact, and compiled
+TP=2 layers without sequence parallelism are right on the GPUs. Traced, their collectives now go through
+torch's functional collectives (not yet checked on a GPU); `MEGATRON_COMPILE_LAYERS=1` forces compilation
+for that check.
 """
 import logging
 import os
@@ -41,7 +49,8 @@ def layer_compile_requested(module: torch.nn.Module) -> bool:
     params = list(module.parameters())
     config = getattr(module, "config", None)
     large = config is None or config.hidden_size >= MIN_HIDDEN_SIZE_TO_COMPILE_BY_DEFAULT
-    return COMPILE_LAYERS_ON_CUDA_BY_DEFAULT and large and bool(params) and params[0].is_cuda
+    unverified = getattr(config, "tensor_model_parallel_size", 1) > 1 and getattr(config, "sequence_parallel", False)
+    return COMPILE_LAYERS_ON_CUDA_BY_DEFAULT and large and not unverified and bool(params) and params[0].is_cuda
 
 
 def compile_forward(module: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:

@@ -9,7 +9,9 @@ from megatron.core.optimizer import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
+    defer_clip_to_fused_adam,
     get_grad_norm_fp32,
+    get_grad_norm_fp32_tensor,
     param_is_not_shared,
     param_is_not_tensor_parallel_duplicate,
 )
@@ -73,6 +75,34 @@ def test_shared_and_tp_attributes_and_zero_count():
     assert count_zeros_fp32(params) == 4 + 4
     no_grad = torch.nn.Parameter(torch.zeros(3))
     assert count_zeros_fp32(params + [no_grad]) == 8
+
+
+@pytest.mark.parametrize("scale", [10.0, 1e-3])  # clipped / not clipped
+def test_clip_deferred_to_fused_adamw_matches_explicit_clip(scale):
+    """The fused AdamW step with the coefficient as `grad_scale` = explicit clip + step: same params and
+    moments (<= 1e-6 relative), grads left clipped, the attribute gone after the step; bit-identical when
+    nothing is clipped. An unfused optimizer refuses (the caller clips as before)."""
+    results = []
+    for deferred in (False, True):
+        params = _params(seed=3, scale=scale)
+        optimizer = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, fused=True)
+        for _ in range(2):
+            for index, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.5 * (index + 1) * scale) + p.detach() * scale
+            norm = get_grad_norm_fp32_tensor([p.grad for p in params])
+            if not (deferred and defer_clip_to_fused_adam(optimizer, 1.0, norm)):
+                clip_grad_by_total_norm_fp32(params, 1.0, norm)
+            optimizer.step()
+            optimizer.__dict__.pop("grad_scale", None)
+        state = [optimizer.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")]
+        results.append(([p.detach().clone() for p in params], [p.grad.clone() for p in params], state))
+    for explicit, deferred in zip(*[sum(r, []) for r in results]):
+        if scale < 1:
+            assert torch.equal(explicit, deferred)
+        else:
+            _assert_close(deferred, explicit, rtol=1e-6, atol=1e-7)
+    plain = torch.optim.AdamW(_params(), fused=False)
+    assert not defer_clip_to_fused_adam(plain, 1.0, torch.tensor(5.0)) and not hasattr(plain, "grad_scale")
 
 
 def _roundtrip(obj):

@@ -53,9 +53,10 @@ def test_auto_compiles_only_large_cuda_layers(monkeypatch):
     monkeypatch.delenv("MEGATRON_COMPILE_LAYERS", raising=False)
 
     class FakeBlock(torch.nn.Module):
-        def __init__(self, hidden_size, on_cuda):
+        def __init__(self, hidden_size, on_cuda, tp=1, sp=False):
             super().__init__()
-            self.config = type("Config", (), {"hidden_size": hidden_size})()
+            self.config = type("Config", (), {"hidden_size": hidden_size, "tensor_model_parallel_size": tp,
+                                              "sequence_parallel": sp})()
             self.weight = torch.nn.Parameter(torch.zeros(1))
             self.on_cuda = on_cuda
 
@@ -66,3 +67,8 @@ def test_auto_compiles_only_large_cuda_layers(monkeypatch):
     assert layer_compile.layer_compile_requested(FakeBlock(2048, True))
     assert not layer_compile.layer_compile_requested(FakeBlock(1024, True))
     assert not layer_compile.layer_compile_requested(FakeBlock(4096, False))
+    # tensor + sequence parallel layers only when forced (see the module docstring)
+    assert layer_compile.layer_compile_requested(FakeBlock(2048, True, tp=2))
+    assert not layer_compile.layer_compile_requested(FakeBlock(2048, True, tp=2, sp=True))
+    monkeypatch.setenv("MEGATRON_COMPILE_LAYERS", "1")
+    assert layer_compile.layer_compile_requested(FakeBlock(2048, True, tp=2, sp=True))
