@@ -93,6 +93,7 @@ VARIANTS = {
     "simple": {"NCCL_PROTO": "Simple"},  # NCCL's bandwidth protocol only (no LL / LL128)
     "ctas8": {"NCCL_MAX_CTAS": "8"},  # fewer SMs for NCCL kernels that overlap compute
     "graph": {"flags": "--enable-cuda-graph"},  # per-layer CUDA graphs
+    "tpoverlap": {"flags": "--tp-comm-overlap"},  # SP all-gather / reduce-scatter pipelined with the GEMMs
 }
 TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")

@@ -96,7 +96,9 @@ class ModelParallelConfig:
     """Use Transformer Engine's RNG tracker (needed for CUDA graphs)."""
 
     tp_comm_overlap: bool = False
-    """Overlap TP collectives with GEMMs (Transformer Engine userbuffers)."""
+    """Overlap the sequence-parallel all-gathers / reduce-scatters of the linear layers' forward passes with
+    their GEMMs (`--tp-comm-overlap`; native chunked pipelines in `tensor_parallel/overlap.py`, no userbuffers).
+    Needs sequence_parallel."""
 
     tp_comm_bulk_wgrad: bool = True
     """TP overlap option: bulk overlap of the weight-grad GEMM. Ignored unless tp_comm_overlap."""

@@ -34,9 +34,10 @@ def reference_losses():
     "parallel_flags",
     [
         ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
     ],
-    ids=["tp2-sp-dp2", "pp2-vpp2-dp2"],
+    ids=["tp2-sp-dp2", "tp2-sp-overlap-dp2", "pp2-vpp2-dp2"],
 )
 def test_parallel_loss_curve_matches_single_process(reference_losses, parallel_flags):
     losses = _losses(run_pretrain(FLAGS + parallel_flags, nproc=4))

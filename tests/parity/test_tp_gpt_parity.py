@@ -27,7 +27,8 @@ from tests.harness import run_on_ranks
 SEED, STEPS, LR = 1234, 3, 0.1
 VOCAB, SEQ, BATCH = 128, 16, 2
 
-# name, kind, sequence_parallel, hidden_dropout, attention_dropout, recompute, compare_with
+# name, kind, sequence_parallel ("overlap": with tp_comm_overlap), hidden_dropout, attention_dropout, recompute,
+# compare_with
 GPT_CONFIGS = [
     ("gpt", "gpt", False, 0.0, 0.0, None, "ref"),
     ("gpt-sp-full-block", "gpt", True, 0.0, 0.0, "full-block", "ref"),
@@ -35,6 +36,7 @@ GPT_CONFIGS = [
     ("gpt-sp-selective", "gpt", True, 0.0, 0.0, "selective", "ref"),
     ("gpt-sp-drop", "gpt", True, 0.1, 0.1, None, None),
     ("gpt-sp-drop-selective", "gpt", True, 0.1, 0.1, "selective", "gpt-sp-drop"),
+    ("gpt-sp-overlap", "gpt", "overlap", 0.0, 0.0, None, "ref"),
 ]
 LLAMA_CONFIGS = [
     ("llama-sp", "llama", True, 0.0, 0.0, None, "ref"),
@@ -42,6 +44,7 @@ LLAMA_CONFIGS = [
     ("llama-selective", "llama", False, 0.0, 0.0, "selective", "ref"),
     ("llama-sp-drop", "llama", True, 0.1, 0.1, None, None),
     ("llama-sp-drop-full-uniform", "llama", True, 0.1, 0.1, "full-uniform", "llama-sp-drop"),
+    ("llama-sp-overlap-selective", "llama", "overlap", 0.0, 0.0, "selective", "ref"),
 ]
 CONFIGS = GPT_CONFIGS + LLAMA_CONFIGS
 
@@ -52,7 +55,8 @@ def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute, dtype=tor
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=8, use_cpu_initialization=True,
-              tensor_model_parallel_size=tp, sequence_parallel=sp, hidden_dropout=hidden_dropout,
+              tensor_model_parallel_size=tp, sequence_parallel=bool(sp), tp_comm_overlap=sp == "overlap",
+              hidden_dropout=hidden_dropout,
               attention_dropout=attention_dropout, init_method_std=0.2, params_dtype=dtype,
               bf16=dtype == torch.bfloat16)
     if recompute == "selective":

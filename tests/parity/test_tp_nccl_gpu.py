@@ -2,7 +2,8 @@
 
 Each rank first trains the single-process model (TP=1) on its own GPU in fp32 and in bf16, then the TP=2
 model in bf16, for the GPT and Llama-style configurations of the CPU parity test with and without sequence
-parallelism (no dropout), three SGD-with-momentum steps; two TP=2 cases also run with compiled layers.
+parallelism (no dropout), three SGD-with-momentum steps; two TP=2 cases also run with compiled layers, one
+with --tp-comm-overlap.
 "Within bf16 tolerances" is measured, not assumed: the
 TP=2 run's deviation from the TP=1 bf16 run (largest relative loss error over the steps, largest relative L2
 error of any gathered gradient) must not exceed 1.5x the deviation of the TP=1 bf16 run from the TP=1 fp32 run,
@@ -27,9 +28,10 @@ GPU_CONFIGS = [  # name, kind, sequence_parallel, recompute
     ("gpt-sp-selective", "gpt", True, "selective"),
     ("llama-sp", "llama", True, None),
     ("llama-sp-full-block", "llama", True, "full-block"),
-    # the same with the layers compiled (the default on GPUs from hidden size 2048): collectives traced
+    # forced compilation (not the default for TP + SP layers, see layer_compile.py): collectives traced
     ("gpt-sp-compiled", "gpt", True, None),
     ("llama-sp-compiled", "llama", True, None),
+    ("gpt-sp-overlap", "gpt", "overlap", None),
 ]
 
 

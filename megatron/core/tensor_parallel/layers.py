@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron.core.tensor_parallel.overlap import all_gather_matmul, matmul_reduce_scatter
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.tensor_parallel.utils import VocabUtility, make_sharded_state_dict_for_layer
 from megatron.core.utils import divide
@@ -209,7 +210,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                grad_output_buffer, wgrad_deferral_limit, tp_group):
+                grad_output_buffer, wgrad_deferral_limit, tp_group, overlap_all_gather=False):
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -218,6 +219,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.grad_output_buffer = grad_output_buffer
         ctx.wgrad_deferral_limit = wgrad_deferral_limit
         ctx.tp_group = tp_group
+        if sequence_parallel and overlap_all_gather:
+            # [s/tp, b, in] -> [s, b, out], each chunk's GEMM overlapping the next chunk's transfer
+            return all_gather_matmul(input, weight, bias, tp_group)
         total_input = all_gather_along_first_dim(input, tp_group) if sequence_parallel else input
         # [s, b, in] x [out, in] (+ [out]) -> [s, b, out]; the bias add is fused into the GEMM
         return F.linear(total_input, weight, bias)
@@ -262,7 +266,34 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_input = scatter.wait()
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+class LinearWithReduceScatterOverlap(torch.autograd.Function):
+    """Row-parallel `y = reduce_scatter(x W^T)` along the sequence with the GEMM chunks overlapping the
+    transfers (`overlap.matmul_reduce_scatter`). Backward as without the overlap: all-gather the output
+    gradient, then the dgrad GEMM and the weight gradient (into `main_grad` when fused)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, gradient_accumulation_fusion, tp_group):
+        ctx.save_for_backward(input, weight)
+        ctx.gradient_accumulation_fusion, ctx.tp_group = gradient_accumulation_fusion, tp_group
+        return matmul_reduce_scatter(input, weight, tp_group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        total_grad = all_gather_along_first_dim(grad_output, ctx.tp_group)  # [s/tp, b, out] -> [s, b, out]
+        grad_input = total_grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
+            grad_2d, input_2d = total_grad.reshape(-1, total_grad.shape[-1]), input.reshape(-1, input.shape[-1])
+            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+                grad_weight = _accumulate_weight_grad(weight, grad_2d, input_2d)
+            else:
+                grad_weight = grad_2d.t().matmul(input_2d)  # [out, s*b] @ [s*b, in] -> [out, in]
+        return grad_input, grad_weight, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -276,10 +307,12 @@ def linear_with_grad_accumulation_and_async_allreduce(
     wgrad_deferral_limit: Optional[int] = 0,
     async_grad_allreduce: Optional[bool] = None,
     tp_group=None,
+    tp_comm_overlap_ag: bool = False,
 ) -> torch.Tensor:
     """Linear layer with TP communication in its backward (see LinearWithGradAccumulationAndAsyncCommunication).
 
-    `async_grad_allreduce` is the deprecated name of `allreduce_dgrad`; `tp_group=None` means the TP group.
+    `async_grad_allreduce` is the deprecated name of `allreduce_dgrad`; `tp_group=None` means the TP group;
+    `tp_comm_overlap_ag` pipelines the sequence-parallel input all-gather with the GEMM (`overlap.py`).
     """
     if async_grad_allreduce is not None:
         allreduce_dgrad = async_grad_allreduce
@@ -288,7 +321,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-        grad_output_buffer, wgrad_deferral_limit or 0, tp_group,
+        grad_output_buffer, wgrad_deferral_limit or 0, tp_group, tp_comm_overlap_ag,
     )
 
 
@@ -296,10 +329,12 @@ def linear_with_grad_accumulation_and_async_allreduce(
 def linear_with_frozen_weight(
     input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
     grad_output_buffer=None, wgrad_deferral_limit=None, async_grad_allreduce=None, tp_group=None,
+    tp_comm_overlap_ag=False,
 ):
     """Same as `linear_with_grad_accumulation_and_async_allreduce` for a weight with requires_grad=False."""
     return linear_with_grad_accumulation_and_async_allreduce(
-        input, weight, bias, False, allreduce_dgrad, sequence_parallel, None, 0, async_grad_allreduce, tp_group
+        input, weight, bias, False, allreduce_dgrad, sequence_parallel, None, 0, async_grad_allreduce, tp_group,
+        tp_comm_overlap_ag,
     )
 
 
@@ -426,7 +461,15 @@ class _ParallelLinearBase(torch.nn.Module):
             grad_output_buffer=grad_output_buffer,
             wgrad_deferral_limit=self.config.wgrad_deferral_limit,
             tp_group=self.tp_group,
+            **({"tp_comm_overlap_ag": True} if sequence_parallel and self._overlap("ag") else {}),
         )
+
+    def _overlap(self, half: str) -> bool:
+        """Whether `--tp-comm-overlap` pipelines this layer's sequence-parallel all-gather ('ag') or
+        reduce-scatter ('rs') with its GEMM."""
+        config = self.config
+        return bool(self.sequence_parallel and not self.explicit_expert_comm and config.tp_comm_overlap
+                    and getattr(config, f"tp_comm_overlap_{half}", True))
 
     _TP_AXIS_MAP: dict = {}
 
@@ -558,6 +601,10 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        if self._overlap("rs") and self.weight.requires_grad:
+            output_ = LinearWithReduceScatterOverlap.apply(input_parallel, self.weight,
+                                                           self.gradient_accumulation_fusion, self.tp_group)
+            return self._add_bias(output_)
         output_parallel = self._linear(input_parallel, self.weight, None, allreduce_dgrad=False,
                                        sequence_parallel=False)
         if self.explicit_expert_comm:
@@ -568,6 +615,9 @@ class RowParallelLinear(_ParallelLinearBase):
             output_ = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
         else:
             output_ = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        return self._add_bias(output_)
+
+    def _add_bias(self, output_: torch.Tensor):
         if self.skip_bias_add:
             return output_, self.bias
         output = output_ + self.bias if self.bias is not None else output_

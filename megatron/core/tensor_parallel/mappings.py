@@ -262,6 +262,31 @@ def reduce_scatter_along_first_dim_async(input_: torch.Tensor, group=None) -> Pe
     return PendingCollective(handle, lambda: summed[rank * size:(rank + 1) * size].contiguous())
 
 
+class _Requests:
+    """Several point-to-point requests waited for as one."""
+
+    def __init__(self, requests):
+        self._requests = requests
+
+    def wait(self) -> None:
+        for request in self._requests:
+            request.wait()
+
+
+def ring_exchange_async(send: torch.Tensor, recv: torch.Tensor, group=None) -> PendingCollective:
+    """Send `send` to the next rank of `group` (default: TP group) and receive the previous rank's tensor into
+    `recv` (same shape); `.wait()` gives `recv`. The building block of the GEMM/communication pipelines of
+    `tensor_parallel.overlap` (no autograd)."""
+    group = _resolve(group)
+    world_size, rank = _world_size(group), _rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    ops = [
+        dist.P2POp(dist.isend, send, ranks[(rank + 1) % world_size], group),
+        dist.P2POp(dist.irecv, recv, ranks[(rank - 1) % world_size], group),
+    ]
+    return PendingCollective(_Requests(dist.batch_isend_irecv(ops)), lambda: recv)
+
+
 def gather_split_1d_tensor(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every TP rank's 1-D chunk (inverse of `split_tensor_into_1d_equal_chunks`)."""
     # [numel/tp] -> (all-gather) [numel]

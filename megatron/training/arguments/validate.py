@@ -481,6 +481,13 @@ def _validate_misc(args) -> List[str]:
     return problems
 
 
+def _validate_tp_comm_overlap(args) -> List[str]:
+    if args.tp_comm_overlap and not args.sequence_parallel:
+        return ["--tp-comm-overlap overlaps the sequence-parallel all-gathers / reduce-scatters with the GEMMs: "
+                "it needs --sequence-parallel (and --tensor-model-parallel-size > 1); add it or drop --tp-comm-overlap."]
+    return []
+
+
 def _validate_cuda_graph(args) -> List[str]:
     """--enable-cuda-graph graphs whole layers with one micro-batch in flight (megatron/core/transformer/cuda_graphs.py)."""
     if not args.enable_cuda_graph:
@@ -509,5 +516,5 @@ VALIDATORS = (
     _validate_required, _validate_sizes, _validate_batch, _validate_training_length, _validate_data,
     _validate_shape, _validate_pipeline, _validate_p2p, _validate_overlap_and_sharding, _validate_precision,
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
-    _validate_cuda_graph,
+    _validate_cuda_graph, _validate_tp_comm_overlap,
 )

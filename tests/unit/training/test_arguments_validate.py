@@ -143,7 +143,7 @@ def test_required_flags_and_accepted_flags():
         assert f"{flag} is required" in text
     accepted = ("--no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
                 "--no-bias-dropout-fusion --use-flash-attn --transformer-impl local --attention-backend local "
-                "--tp-comm-overlap --no-one-logger --log-straggler --rotary-interleaved --position-embedding-type rope")
+                "--tp-comm-overlap-rs-dgrad --no-one-logger --log-straggler --rotary-interleaved --position-embedding-type rope")
     assert validate_args(_args(accepted)).transformer_impl == "local"
 
 
@@ -186,3 +186,10 @@ def test_cuda_graph_rules_name_each_conflicting_flag():
         assert piece in text, (piece, text)
     assert "external" in " ".join(_problems("--external-cuda-graph"))
     validate_args(_args("--enable-cuda-graph --hidden-dropout 0 --attention-dropout 0"))
+
+
+def test_tp_comm_overlap_needs_sequence_parallel():
+    assert any("--tp-comm-overlap overlaps" in p and "--sequence-parallel" in p
+               for p in _problems("--tp-comm-overlap --tensor-model-parallel-size 2", world_size=2))
+    args = validate_args(_args("--tp-comm-overlap --tensor-model-parallel-size 2 --sequence-parallel", world_size=2))
+    assert args.tp_comm_overlap and args.sequence_parallel

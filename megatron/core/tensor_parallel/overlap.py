@@ -1,0 +1,78 @@
+"""Sequence-parallel GEMMs pipelined with their communication (`--tp-comm-overlap`), without Transformer Engine.
+
+With sequence parallelism a column-parallel linear all-gathers its input along the sequence before the
+GEMM, and a row-parallel linear reduce-scatters its output after it; done as one collective and one GEMM,
+neither overlaps the other. Here both are split into one GEMM per sequence chunk (one chunk per TP rank)
+and the chunks travel around the TP ring while the GEMMs run:
+
+- all-gather + GEMM: each step multiplies the chunk at hand (first this rank's own) into its rows of the
+  output while the next chunk arrives from the previous rank;
+- GEMM + reduce-scatter: at step k, rank r computes its partial product for chunk (r - k - 1) mod tp, adds
+  the running sum received from the previous rank and passes it on; after tp steps it holds the full sum
+  of its own chunk.
+
+The results equal the plain collectives' (the two-rank sums are the same additions; with more ranks the
+partial sums are added in ring order). The backward passes are unchanged (`tensor_parallel.layers`). The
+point-to-point transfers go through `mappings.ring_exchange_async`; this module only schedules GEMMs
+around them. Used for the forward passes when `config.tp_comm_overlap` is set with sequence parallelism
+(`tp_comm_overlap_ag` / `tp_comm_overlap_rs` pick the two halves).
+"""
+from typing import Optional
+
+import torch
+
+from megatron.core.tensor_parallel.mappings import _rank, _world_size, ring_exchange_async
+
+
+def _matmul_into(out_rows: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> None:
+    """out_rows [c, b, o] = chunk [c, b, i] @ weight[o, i]^T (+ bias [o]), written in place."""
+    # [c, b, i] -> [c*b, i]; [c, b, o] -> [c*b, o]
+    chunk_2d, out_2d = chunk.reshape(-1, chunk.shape[-1]), out_rows.view(-1, out_rows.shape[-1])
+    if bias is None:
+        torch.mm(chunk_2d, weight.t(), out=out_2d)
+    else:
+        torch.addmm(bias, chunk_2d, weight.t(), out=out_2d)
+
+
+def all_gather_matmul(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group) -> torch.Tensor:
+    """[s/tp, b, i] (this rank's sequence chunk) -> [s, b, o]: the all-gathered input times weight^T (+ bias)."""
+    world_size, rank = _world_size(group), _rank(group)
+    current = input_.contiguous()
+    chunk = current.shape[0]
+    output = torch.empty((chunk * world_size,) + tuple(current.shape[1:-1]) + (weight.shape[0],),
+                         dtype=current.dtype, device=current.device)
+    for step in range(world_size):
+        pending = None
+        if step < world_size - 1:
+            pending = ring_exchange_async(current, torch.empty_like(current), group)
+        owner = (rank - step) % world_size
+        _matmul_into(output[owner * chunk:(owner + 1) * chunk], current, weight, bias)
+        if pending is not None:
+            current = pending.wait()
+    return output
+
+
+def matmul_reduce_scatter(input_: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """[s, b, i/tp] -> [s/tp, b, o]: input times weight^T, summed over the TP ranks, this rank's sequence chunk."""
+    world_size, rank = _world_size(group), _rank(group)
+    if input_.shape[0] % world_size != 0:
+        raise ValueError(f"GEMM + reduce-scatter: sequence length {input_.shape[0]} is not divisible by the TP "
+                         f"size {world_size}")
+    chunk = input_.shape[0] // world_size
+    pending = sent = None
+    for step in range(world_size):
+        target = (rank - step - 1) % world_size
+        partial = torch.empty((chunk,) + tuple(input_.shape[1:-1]) + (weight.shape[0],), dtype=input_.dtype,
+                              device=input_.device)
+        _matmul_into(partial, input_[target * chunk:(target + 1) * chunk], weight, None)
+        if pending is not None:
+            partial.add_(pending.wait())
+            del sent  # the previous send is complete once its exchange has been waited for
+        if step < world_size - 1:
+            sent = partial
+            pending = ring_exchange_async(sent, torch.empty_like(partial), group)
+    return partial
+
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
