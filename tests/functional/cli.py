@@ -52,7 +52,7 @@ class RunResult:
     returncode: int
     """Exit status of the process."""
     output: str
-    """stdout and stderr, interleaved."""
+    """stdout, then stderr."""
     iterations: List[Dict[str, str]] = field(default_factory=list)
     """One regex group dict per training log line (plus a parsed `loss_values` dict)."""
     validations: List[Dict[str, str]] = field(default_factory=list)
@@ -110,8 +110,10 @@ def run_pretrain(flags: List[str], nproc: Optional[int] = None, timeout: float =
                  extra_env: Optional[Dict[str, str]] = None, script: str = "pretrain_gpt.py") -> RunResult:
     """Run the script and parse its output (never raises on a non-zero exit; check `returncode`)."""
     proc = subprocess.run(command(flags, nproc, script), cwd=repo_root(), env=_env(extra_env),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    # log lines are parsed from stdout alone: another rank's warning on the shared stderr could land inside one
     result = parse_output(proc.stdout)
+    result.output = proc.stdout + proc.stderr
     result.returncode = proc.returncode
     return result
 
