@@ -303,6 +303,8 @@ def test_chained_optimizer_for_expert_params():
     config = OptimizerConfig(lr=1e-2, clip_grad=0.05, log_num_zeros_in_grad=True)
     opt = get_megatron_optimizer(config, [model])
     assert isinstance(opt, ChainedOptimizer) and len(opt.chained_optimizers) == 2
+    from megatron.core.optimizer.optimizer import ChainedOptimizer as megatron_path  # Megatron's import path
+    assert megatron_path is ChainedOptimizer
     expert = opt.chained_optimizers[1]
     assert {id(p) for p in expert.get_parameters()} == {id(model.fc.weight), id(model.fc.bias)}
     assert all(g["is_expert_parallel"] for g in expert.param_groups)
