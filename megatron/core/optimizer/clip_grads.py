@@ -187,8 +187,8 @@ def defer_clip_to_fused_adam(optimizer, max_norm: float, total_norm: torch.Tenso
     `1 / clamp(max_norm / (total_norm + 1e-6), max=1)`, exactly 1.0 when nothing is clipped; the kernel
     writes the clipped grads back. Returns False (nothing set) when the optimizer cannot take it; whoever
     steps must drop the attribute afterwards (`optimizer.__dict__.pop("grad_scale", None)`)."""
-    fused = isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW)
-    fused = fused and bool(optimizer.param_groups) and all(group.get("fused") for group in optimizer.param_groups)
+    groups = optimizer.param_groups if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else []
+    fused = bool(groups) and all(group.get("fused") for group in groups)
     if not fused or use_decoupled_grad or not isinstance(total_norm, torch.Tensor):
         return False
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
