@@ -74,6 +74,8 @@ def _writer(path):
             f.write(timeline_summary(prof))
             f.write(idle_gaps(prof))
             f.write(prof.key_averages().table(sort_by=sort, row_limit=70, max_name_column_width=90))
+            f.write("\n\nhost (CPU) time by op, self time\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
             f.write("\n\nby input shape\n")
             f.write(prof.key_averages(group_by_input_shape=True).table(
                 sort_by=sort, row_limit=40, max_name_column_width=60, max_shapes_column_width=70))

@@ -89,6 +89,7 @@ VARIANTS = {
     "": {},
     "nocompile": {"MEGATRON_COMPILE_LAYERS": "0"},
     "compile": {"MEGATRON_COMPILE_LAYERS": "1"},
+    "tracelin": {"MEGATRON_COMPILE_LINEARS": "1"},  # TP linears traced into compiled layers (layers.py)
     "eager": {"MEGATRON_COMPILE_LAYERS": "0", "MEGATRON_EAGER_FUSIONS": "1"},
     "simple": {"NCCL_PROTO": "Simple"},  # NCCL's bandwidth protocol only (no LL / LL128)
     "ctas8": {"NCCL_MAX_CTAS": "8"},  # fewer SMs for NCCL kernels that overlap compute

@@ -50,6 +50,20 @@ def _worker(rank, init_file):
         torch._dynamo.reset()
         got = _train("gpt", 2, sp, 0.0, 0.0, None, group, device="cuda", dtype=torch.bfloat16)
         _report(rank, f"TP=2 sequence_parallel={sp} compiled", got, ref)
+    # The same with the block's model-parallel RNG fork (entered only under sequence parallelism) left out.
+    import megatron.core.tensor_parallel as tp_module
+    from contextlib import nullcontext
+
+    class _NoFork:
+        def fork(self, name=None):
+            return nullcontext()
+
+    tracker = tp_module.get_cuda_rng_tracker
+    tp_module.get_cuda_rng_tracker = lambda: _NoFork()
+    torch._dynamo.reset()
+    got = _train("gpt", 2, True, 0.0, 0.0, None, group, device="cuda", dtype=torch.bfloat16)
+    _report(rank, "TP=2 sequence_parallel=True compiled, no RNG fork", got, ref)
+    tp_module.get_cuda_rng_tracker = tracker
     dist.destroy_process_group()
 
 

@@ -2,7 +2,7 @@
 
 Each rank first trains the single-process model (TP=1) on its own GPU in fp32 and in bf16, then the TP=2
 model in bf16, for the GPT and Llama-style configurations of the CPU parity test with and without sequence
-parallelism (no dropout), three SGD-with-momentum steps; two TP=2 cases also run with compiled layers, one
+parallelism (no dropout), three SGD-with-momentum steps; three TP=2 cases also run with compiled layers (one of them with the linears traced), one
 with --tp-comm-overlap.
 "Within bf16 tolerances" is measured, not assumed: the
 TP=2 run's deviation from the TP=1 bf16 run (largest relative loss error over the steps, largest relative L2
@@ -31,16 +31,19 @@ GPU_CONFIGS = [  # name, kind, sequence_parallel, recompute
     # forced compilation (not the default for TP + SP layers, see layer_compile.py): collectives traced
     ("gpt-sp-compiled", "gpt", True, None),
     ("llama-sp-compiled", "llama", True, None),
+    # the linears traced into the compiled layers too (MEGATRON_COMPILE_LINEARS=1, tensor_parallel/layers.py)
+    ("gpt-sp-compiled-traced", "gpt", True, None),
     ("gpt-sp-overlap", "gpt", "overlap", None),
 ]
 
 
 def _train_tp2(name, kind, sp, recompute, group):
-    os.environ["MEGATRON_COMPILE_LAYERS"] = "1" if name.endswith("-compiled") else "0"
+    os.environ["MEGATRON_COMPILE_LAYERS"] = "1" if "-compiled" in name else "0"
+    os.environ["MEGATRON_COMPILE_LINEARS"] = "1" if name.endswith("-traced") else "0"
     try:
         return _train(kind, 2, sp, 0.0, 0.0, recompute, group, device="cuda", dtype=torch.bfloat16)
     finally:
-        del os.environ["MEGATRON_COMPILE_LAYERS"]
+        del os.environ["MEGATRON_COMPILE_LAYERS"], os.environ["MEGATRON_COMPILE_LINEARS"]
 
 
 def _worst(got, want):

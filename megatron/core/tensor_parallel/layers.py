@@ -11,6 +11,7 @@ linear backward, so `gradient_accumulation_fusion=True` (the CLI default) works 
 into an fp32 `main_grad` with one fp32-output GEMM on CUDA where torch has it (probed once, see
 `addmm_fp32_out_supported`), else with a half-precision matmul, a cast and an add.
 """
+import os
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -178,6 +179,11 @@ def addmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def _accumulate_weight_grad(weight, grad_output_2d, input_2d):
     """Add the weight gradient into `weight.main_grad`; return the placeholder grad Megatron's DDP expects.
 
+    Eager only. Traced by `torch.compile` (`trace_linears_when_compiling`), the linears return the weight
+    gradient to autograd instead and DDP's hook adds it into `main_grad`: the flag set here is an
+    attribute change torch.compile cannot keep inside an autograd.Function (dynamo would give up on the
+    function and run it eagerly).
+
     Same dtype: one in-place addmm. bf16/fp16 into fp32 on CUDA: one GEMM with an fp32 output where
     the installed torch has it (`addmm_fp32_out_supported`), else a half-precision matmul, a cast and
     an add (three passes over the gradient).
@@ -255,7 +261,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
             # [s, b, in] -> [s*b, in]
             input_2d = total_input.reshape(-1, total_input.shape[-1])
-            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad") and not torch.compiler.is_compiling():
                 grad_weight = _accumulate_weight_grad(weight, grad_output_2d, input_2d)
             else:
                 # [out, s*b] @ [s*b, in] -> [out, in]
@@ -319,10 +325,33 @@ def linear_with_grad_accumulation_and_async_allreduce(
     if allreduce_dgrad and sequence_parallel:
         raise ValueError("allreduce_dgrad and sequence_parallel cannot both be True: SP reduce-scatters the dgrad")
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+    apply = LinearWithGradAccumulationAndAsyncCommunication.apply
+    if torch.compiler.is_compiling() and not trace_linears_when_compiling():
+        apply = _apply_linear_eagerly
+    return apply(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
         grad_output_buffer, wgrad_deferral_limit or 0, tp_group, tp_comm_overlap_ag,
     )
+
+
+def trace_linears_when_compiling() -> bool:
+    """Whether `torch.compile` (compiled transformer layers) traces the linears' autograd function into
+    the layer's graph: environment variable `MEGATRON_COMPILE_LINEARS=1`. Default: no, the compiled layer
+    calls them eagerly (its graph is split at each linear).
+
+    Traced, a linear returns its weight gradient to autograd (DDP's hook adds it into `main_grad`; see
+    `_accumulate_weight_grad`). That is exact against eager on CPU (fp32 and bf16, DDP, TP=2+SP) and ran
+    GPT-1.3B on an H200 at 495-500 TFLOP/s without CUDA graphs (459-491 with eager linears), but its
+    bf16 loss curve there left the eager one within 5 iterations (Adam without warm-up, where small
+    numerical differences are known to grow; not yet told apart from an error), 2026-11-30,
+    docs/performance.md. Off until a long, stable-regime comparison on a GPU settles it.
+    """
+    return os.environ.get("MEGATRON_COMPILE_LINEARS", "0").strip() == "1"
+
+
+@torch.compiler.disable
+def _apply_linear_eagerly(*args):
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(*args)
 
 
 

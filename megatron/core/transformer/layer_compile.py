@@ -11,13 +11,15 @@ where the measured win recorded in docs/performance.md holds; never on CPU). Com
 first forward pass; its time shows up in the first logged iterations only, which the benchmark excludes
 from steady-state numbers.
 
-Not by default: layers with tensor parallelism and sequence parallelism. On two H200s with NCCL
-(2026-11-30) such compiled layers produced zero gradients for every layer parameter (the NCCL parity test
-`tests/parity/test_tp_nccl_gpu.py`, cases `*-sp-compiled`, also with inductor's passes replaced by
-`aot_eager`); the same layers on CPU with gloo, the NCCL code branch included, are exact, and compiled
-TP=2 layers without sequence parallelism are right on the GPUs. Traced, their collectives now go through
-torch's functional collectives (not yet checked on a GPU); `MEGATRON_COMPILE_LAYERS=1` forces compilation
-for that check.
+The tensor-parallel linears inside a compiled layer run eagerly by default (the layer's graph is split
+at each of them; `tensor_parallel.layers.trace_linears_when_compiling` says why and how to trace them).
+
+Not by default: layers with tensor and sequence parallelism. With eagerly called linears their graph
+splits into many pieces around the NCCL calls, and on two H200s (2026-11-30) GPT-1.3B at TP=2+SP ran at
+290 TFLOP/s/GPU compiled against 386-402 with eager layers. (Their traced all-gathers and
+reduce-scatters go through torch's functional collectives: traced as in-place `torch.distributed` calls
+into a fresh buffer, every layer parameter got a zero gradient on the GPUs, found the same day and fixed;
+`benchmarks/gpu/sp_compile_check.py`.) `MEGATRON_COMPILE_LAYERS=1` forces compilation.
 """
 import logging
 import os
@@ -49,8 +51,8 @@ def layer_compile_requested(module: torch.nn.Module) -> bool:
     params = list(module.parameters())
     config = getattr(module, "config", None)
     large = config is None or config.hidden_size >= MIN_HIDDEN_SIZE_TO_COMPILE_BY_DEFAULT
-    unverified = getattr(config, "tensor_model_parallel_size", 1) > 1 and getattr(config, "sequence_parallel", False)
-    return COMPILE_LAYERS_ON_CUDA_BY_DEFAULT and large and not unverified and bool(params) and params[0].is_cuda
+    split_graphs = getattr(config, "tensor_model_parallel_size", 1) > 1 and getattr(config, "sequence_parallel", False)
+    return COMPILE_LAYERS_ON_CUDA_BY_DEFAULT and large and not split_graphs and bool(params) and params[0].is_cuda
 
 
 def compile_forward(module: torch.nn.Module, backend: str = "inductor") -> torch.nn.Module:

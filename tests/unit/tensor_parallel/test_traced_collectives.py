@@ -5,8 +5,11 @@ the work handles of asynchronous collectives in the linears' backward, dynamo sp
 graphs, which made TP runs host-bound on H200 (docs/performance.md). Inside a trace the collectives are
 issued synchronously (`mappings.PendingCollective`), which dynamo turns into its own asynchronous
 collectives. The check runs dynamo's `explain` (no code generation) in a subprocess on torch's fake process
-group, whose backend is not gloo, so the NCCL branches of `mappings` are the ones traced.
+group, whose backend is not gloo, so the NCCL branches of `mappings` are the ones traced. The linears are
+traced too (`MEGATRON_COMPILE_LINEARS=1`; by default a compiled layer calls them eagerly, see
+`tensor_parallel.layers.trace_linears_when_compiling`).
 """
+import os
 import subprocess
 import sys
 
@@ -36,7 +39,8 @@ for reason in result.break_reasons:
 
 
 def test_compiled_tp_sp_layer_has_no_graph_breaks():
+    env = dict(os.environ, MEGATRON_COMPILE_LINEARS="1")
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=repo_root(), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GRAPHS 1 BREAKS 0" in proc.stdout, proc.stdout[-3000:]

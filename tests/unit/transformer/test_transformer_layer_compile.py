@@ -72,3 +72,43 @@ def test_auto_compiles_only_large_cuda_layers(monkeypatch):
     assert not layer_compile.layer_compile_requested(FakeBlock(2048, True, tp=2, sp=True))
     monkeypatch.setenv("MEGATRON_COMPILE_LAYERS", "1")
     assert layer_compile.layer_compile_requested(FakeBlock(2048, True, tp=2, sp=True))
+    monkeypatch.setenv("MEGATRON_COMPILE_LAYERS", "0")
+    assert not layer_compile.layer_compile_requested(FakeBlock(2048, True))
+
+
+@pytest.mark.parametrize("trace_linears", ["0", "1"])
+def test_compiled_layers_with_ddp_main_grad_match_eager(monkeypatch, trace_linears):
+    """With DDP's `main_grad` and gradient-accumulation fusion, compiled layers (AOTAutograd included) give
+    the eager model's `main_grad`. By default the linears run eagerly inside the compiled layer (the graph
+    is split at each of them); with MEGATRON_COMPILE_LINEARS=1 they are traced: one graph, no break (an
+    attribute set inside their backward once made dynamo give up on them)."""
+    from torch._dynamo.utils import counters
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    init_single_rank()
+    monkeypatch.setenv("MEGATRON_COMPILE_LINEARS", trace_linears)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    position_ids = torch.arange(16).expand(2, 16)
+    grads = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_COMPILE_LAYERS", mode)
+        monkeypatch.setattr(transformer_block, "compile_forward",
+                            functools.partial(layer_compile.compile_forward, backend="aot_eager"))
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model()
+        model.config.gradient_accumulation_fusion = True
+        for module in model.modules():
+            if hasattr(module, "gradient_accumulation_fusion"):
+                module.gradient_accumulation_fusion = True
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        ddp.zero_grad_buffer()
+        ddp(tokens, position_ids, None, labels=tokens).float().mean().backward()
+        grads.append({name: param.main_grad.clone() for name, param in model.named_parameters()})
+        if mode == "1":
+            breaks = sum(counters["graph_break"].values())
+            assert (breaks == 0) if trace_linears == "1" else (breaks > 0), dict(counters["graph_break"])
+    for name, grad in grads[0].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
