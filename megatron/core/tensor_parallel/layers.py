@@ -277,8 +277,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
 class LinearWithReduceScatterOverlap(torch.autograd.Function):
     """Row-parallel `y = reduce_scatter(x W^T)` along the sequence with the GEMM chunks overlapping the
-    transfers (`overlap.matmul_reduce_scatter`). Backward as without the overlap: all-gather the output
-    gradient, then the dgrad GEMM and the weight gradient (into `main_grad` when fused)."""
+    transfers (`overlap.matmul_reduce_scatter`). Backward: the output gradient's all-gather pipelined with
+    the dgrad GEMM chunks (`overlap.all_gather_matmul`), then the weight gradient from the gathered output
+    gradient (into `main_grad` when fused)."""
 
     @staticmethod
     def forward(ctx, input, weight, gradient_accumulation_fusion, tp_group):
@@ -289,8 +290,15 @@ class LinearWithReduceScatterOverlap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        total_grad = all_gather_along_first_dim(grad_output, ctx.tp_group)  # [s/tp, b, out] -> [s, b, out]
-        grad_input = total_grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            # [s/tp, b, out] -> (all-gathered into total_grad [s, b, out]) x [out, in] -> [s, b, in]
+            grad_output = grad_output.contiguous()
+            total_grad = grad_output.new_empty((grad_output.shape[0] * get_pg_size(ctx.tp_group),)
+                                               + tuple(grad_output.shape[1:]))
+            grad_input = all_gather_matmul(grad_output, weight.t(), None, ctx.tp_group, gathered_out=total_grad)
+        else:
+            total_grad = all_gather_along_first_dim(grad_output, ctx.tp_group)  # [s/tp, b, out] -> [s, b, out]
         grad_weight = None
         if ctx.needs_input_grad[1]:
             # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]

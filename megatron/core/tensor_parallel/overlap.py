@@ -12,7 +12,10 @@ and the chunks travel around the TP ring while the GEMMs run:
   of its own chunk.
 
 The results equal the plain collectives' (the two-rank sums are the same additions; with more ranks the
-partial sums are added in ring order). The backward passes are unchanged (`tensor_parallel.layers`). The
+partial sums are added in ring order). Backward (`tensor_parallel.layers`): the row-parallel linear's
+output-gradient all-gather runs as the all-gather + GEMM pipeline of its input-gradient GEMM, keeping the
+gathered gradient for the weight gradient; the column-parallel backward is unchanged (its all-gather and
+reduce-scatter already overlap the other GEMM). The
 point-to-point transfers go through `mappings.ring_exchange_async`; this module only schedules GEMMs
 around them. Used for the forward passes when `config.tp_comm_overlap` is set with sequence parallelism
 (`tp_comm_overlap_ag` / `tp_comm_overlap_rs` pick the two halves).
@@ -35,17 +38,26 @@ def _matmul_into(out_rows: torch.Tensor, chunk: torch.Tensor, weight: torch.Tens
         torch.addmm(bias, chunk_2d, weight.t(), out=out_2d)
 
 
-def all_gather_matmul(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group) -> torch.Tensor:
-    """[s/tp, b, i] (this rank's sequence chunk) -> [s, b, o]: the all-gathered input times weight^T (+ bias)."""
+def all_gather_matmul(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                      gathered_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[s/tp, b, i] (this rank's sequence chunk) -> [s, b, o]: the all-gathered input times weight^T (+ bias).
+
+    With `gathered_out` ([s, b, i], contiguous) the chunks are received straight into it, so that it holds
+    the all-gathered input afterwards (for a weight gradient that needs it)."""
     world_size, rank = _world_size(group), _rank(group)
     current = input_.contiguous()
     chunk = current.shape[0]
     output = torch.empty((chunk * world_size,) + tuple(current.shape[1:-1]) + (weight.shape[0],),
                          dtype=current.dtype, device=current.device)
+    if gathered_out is not None:
+        gathered_out[rank * chunk:(rank + 1) * chunk].copy_(current)
     for step in range(world_size):
         pending = None
         if step < world_size - 1:
-            pending = ring_exchange_async(current, torch.empty_like(current), group)
+            arriving = (rank - step - 1) % world_size
+            receive = (torch.empty_like(current) if gathered_out is None
+                       else gathered_out[arriving * chunk:(arriving + 1) * chunk])
+            pending = ring_exchange_async(current, receive, group)
         owner = (rank - step) % world_size
         _matmul_into(output[owner * chunk:(owner + 1) * chunk], current, weight, bias)
         if pending is not None:
