@@ -17,6 +17,9 @@ import torch.distributed._functional_collectives as funcol
 from megatron.core import parallel_state
 
 ReduceOp = dist.ReduceOp
+# torch >= 2.13 renames the single-tensor collectives (the old names warn); same signatures.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _resolve(group):
@@ -69,7 +72,7 @@ def _all_gather_dim0(input_: torch.Tensor, group, output_split_sizes: Optional[L
         if torch.compiler.is_compiling():  # the traceable functional form (not the in-place call)
             return funcol.all_gather_tensor(input_, 0, group)
         output = torch.empty((sizes[0] * world_size,) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-        dist.all_gather_into_tensor(output, input_, group=group)
+        _all_gather_single(output, input_, group=group)
         return output
     max_size = max(sizes)
     padded = input_
@@ -100,7 +103,7 @@ def _reduce_scatter_dim0(input_: torch.Tensor, group, input_split_sizes: Optiona
         if torch.compiler.is_compiling():
             return funcol.reduce_scatter_tensor(input_, "sum", 0, group)
         output = torch.empty((sizes[0],) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-        dist.reduce_scatter_tensor(output, input_, group=group)
+        _reduce_scatter_single(output, input_, group=group)
         return output
     summed = input_.clone()
     dist.all_reduce(summed, group=group)
@@ -229,7 +232,7 @@ def all_gather_along_first_dim_async(input_: torch.Tensor, group=None) -> Pendin
         # [s/tp, b, h] -> [s, b, h]
         output = torch.empty((input_.shape[0] * world_size,) + tuple(input_.shape[1:]), dtype=input_.dtype,
                              device=input_.device)
-        handle = dist.all_gather_into_tensor(output, input_, group=group, async_op=True)
+        handle = _all_gather_single(output, input_, group=group, async_op=True)
         return PendingCollective(handle, lambda: output)
     chunks = [torch.empty_like(input_) for _ in range(world_size)]
     handle = dist.all_gather(chunks, input_, group=group, async_op=True)
@@ -254,7 +257,7 @@ def reduce_scatter_along_first_dim_async(input_: torch.Tensor, group=None) -> Pe
     if not _is_gloo(group):
         # [s, b, h] -> [s/tp, b, h]
         output = torch.empty((size,) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-        handle = dist.reduce_scatter_tensor(output, input_, group=group, async_op=True)
+        handle = _reduce_scatter_single(output, input_, group=group, async_op=True)
         return PendingCollective(handle, lambda: output)
     summed = input_.clone()
     handle = dist.all_reduce(summed, group=group, async_op=True)
