@@ -17,8 +17,8 @@ output-gradient all-gather runs as the all-gather + GEMM pipeline of its input-g
 gathered gradient for the weight gradient; the column-parallel backward is unchanged (its all-gather and
 reduce-scatter already overlap the other GEMM). The
 point-to-point transfers go through `mappings.ring_exchange_async`; this module only schedules GEMMs
-around them. Used for the forward passes when `config.tp_comm_overlap` is set with sequence parallelism
-(`tp_comm_overlap_ag` / `tp_comm_overlap_rs` pick the two halves).
+around them. Used when `config.tp_comm_overlap` is set with sequence parallelism (`tp_comm_overlap_ag` /
+`tp_comm_overlap_rs` pick the column-parallel forward and the row-parallel forward and backward).
 """
 from typing import Optional
 
