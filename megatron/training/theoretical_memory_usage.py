@@ -7,6 +7,8 @@ selective recomputation; without both only the weight/optimizer number is report
 """
 import math
 
+from megatron.training.utils import print_line
+
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 
@@ -35,12 +37,12 @@ def compute_weight_and_optimizer_memory(args, verbose=False):
     if args.untie_embeddings_and_output_weights and pp == 1:
         most_loaded += embedding / tp
     if verbose:
-        print(f"Number of parameters in transformer layers in billions: {transformer / 10**9: .2f}")
-        print(f"Number of parameters in embedding layers in billions: {embeddings / 10**9:.2f}")
-        print(f"Total number of parameters in billions: {(transformer + embeddings) / 10**9:.2f}")
-        print(f"Number of parameters in most loaded shard in billions: {most_loaded / 10**9:.4f}")
+        print_line(f"Number of parameters in transformer layers in billions: {transformer / 10**9: .2f}")
+        print_line(f"Number of parameters in embedding layers in billions: {embeddings / 10**9:.2f}")
+        print_line(f"Total number of parameters in billions: {(transformer + embeddings) / 10**9:.2f}")
+        print_line(f"Number of parameters in most loaded shard in billions: {most_loaded / 10**9:.4f}")
         if pp > 1:
-            print(f"Number of parameters in other shards in billions: {transformer / (pp * tp) / 10**9:.4f}")
+            print_line(f"Number of parameters in other shards in billions: {transformer / (pp * tp) / 10**9:.4f}")
     bytes_per_param = 18 if not args.use_distributed_optimizer else 6 + 12 / args.data_parallel_size
     return most_loaded * bytes_per_param
 
@@ -52,7 +54,8 @@ def compute_activation_memory(args, num_microbatches, verbose=False):
         args.virtual_pipeline_model_parallel_size
     per_layer = s * b * h * (18 + 4 * (args.ffn_hidden_size / h))
     if verbose:
-        print(f"Activation memory footprint per transformer layer: {per_layer / NUM_BYTES_IN_MEGABYTE / tp:.1f} MB")
+        per_layer_mb = per_layer / NUM_BYTES_IN_MEGABYTE / tp
+        print_line(f"Activation memory footprint per transformer layer: {per_layer_mb:.1f} MB")
     memory = per_layer * args.num_layers
     memory += 8 * s * b * pp  # embedding inputs, pp microbatches in flight
     memory += s * b * h * pp  # embedding dropout
@@ -60,8 +63,8 @@ def compute_activation_memory(args, num_microbatches, verbose=False):
         penalty = 1 + (pp - 1) / (pp * vpp)
         memory *= penalty
         if verbose:
-            print(f"Memory penalty from interleaved schedule: {penalty:.2f}")
-            print(f"Number of in-flight microbatches: {math.ceil(penalty * pp)}")
+            print_line(f"Memory penalty from interleaved schedule: {penalty:.2f}")
+            print_line(f"Number of in-flight microbatches: {math.ceil(penalty * pp)}")
     elif pp > 1:
         if num_microbatches is not None:
             memory *= min(1, num_microbatches / pp)
@@ -69,7 +72,7 @@ def compute_activation_memory(args, num_microbatches, verbose=False):
         else:
             in_flight = pp
         if verbose:
-            print(f"Number of in-flight microbatches: {in_flight}")
+            print_line(f"Number of in-flight microbatches: {in_flight}")
     if pp == 1:
         memory += s * b * h * 4 * (1 + args.padded_vocab_size / h)  # output layer input and CE loss
     return memory / tp
@@ -79,9 +82,9 @@ def report_theoretical_memory(args, num_microbatches=None, verbose=False):
     """Print `Theoretical memory footprints: weight and optimizer=... MB[, activation=..., total=...]`."""
     weights = compute_weight_and_optimizer_memory(args, verbose=verbose) / NUM_BYTES_IN_MEGABYTE
     if not args.sequence_parallel or args.recompute_granularity != "selective":
-        print(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB", flush=True)
+        print_line(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB")
         return
     activations = compute_activation_memory(args, num_microbatches=num_microbatches, verbose=verbose)
     activations /= NUM_BYTES_IN_MEGABYTE
-    print(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
-          f"activation={activations:.2f} MB, total={weights + activations:.2f} MB\n", flush=True)
+    print_line(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
+               f"activation={activations:.2f} MB, total={weights + activations:.2f} MB\n")

@@ -45,6 +45,7 @@ from megatron.training.utils import (
     append_to_progress_log,
     calc_params_l2_norm,
     print_datetime,
+    print_line,
     print_rank_0,
 )
 
@@ -118,8 +119,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     num_parameters = sum(sum(p.nelement() for p in chunk.parameters()) for chunk in model)
     if mpu.get_data_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0:
-        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
-            mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(), num_parameters), flush=True)
+        print_line(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
+            mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(), num_parameters))
     if torch.cuda.is_available() and not args.init_model_with_meta_device and not (
             getattr(args, "use_torch_fsdp2", False) and args.use_cpu_initialization):
         for chunk in model:

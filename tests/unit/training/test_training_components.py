@@ -86,6 +86,30 @@ def test_flops_formula_matches_closed_form_and_gqa_swiglu_moe():
     assert math.isclose(num_floating_point_operations(moe, 1), s * (dense_part + attn + 6 * h * V), rel_tol=1e-12)
 
 
+def test_theoretical_memory_report_writes_whole_lines(monkeypatch):
+    """Each line of the memory report leaves in one write: under torchrun all ranks share one stdout, and a
+    line written as text then newline let the last rank's iteration-1 log line land in between."""
+    from megatron.training import theoretical_memory_usage
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stdout", Recorder())
+    args = _flops_args(untie_embeddings_and_output_weights=False, tensor_model_parallel_size=2,
+                       pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+                       use_distributed_optimizer=False, sequence_parallel=True, recompute_granularity="selective",
+                       micro_batch_size=2)
+    theoretical_memory_usage.report_theoretical_memory(args, num_microbatches=4, verbose=True)
+    assert len(writes) >= 6
+    assert all(text.endswith("\n") and "\n" not in text[:-1].rstrip("\n") for text in writes), writes
+
+
 def test_rerun_state_machine_nan_and_spiky_checks():
     machine = RerunStateMachine(mode=RerunMode.DISABLED)
     machine.validate_result(torch.tensor(1.0), torch.isnan, "ok")
