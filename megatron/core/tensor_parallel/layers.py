@@ -205,6 +205,14 @@ def _accumulate_weight_grad(weight, grad_output_2d, input_2d):
     return None
 
 
+def _weight_grad(ctx, weight, grad_output_2d, input_2d):
+    """A linear's weight gradient from grad_output [s*b, out] and input [s*b, in]: added into `main_grad` (the
+    placeholder returned) when fused and eager, else returned as [out, in]."""
+    if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad") and not torch.compiler.is_compiling():
+        return _accumulate_weight_grad(weight, grad_output_2d, input_2d)
+    return grad_output_2d.t().matmul(input_2d)  # [out, s*b] @ [s*b, in] -> [out, in]
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """`y = x W^T + b` with TP/SP communication folded in.
 
@@ -261,11 +269,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
             # [s, b, in] -> [s*b, in]
             input_2d = total_input.reshape(-1, total_input.shape[-1])
-            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad") and not torch.compiler.is_compiling():
-                grad_weight = _accumulate_weight_grad(weight, grad_output_2d, input_2d)
-            else:
-                # [out, s*b] @ [s*b, in] -> [out, in]
-                grad_weight = grad_output_2d.t().matmul(input_2d)
+            grad_weight = _weight_grad(ctx, weight, grad_output_2d, input_2d)
         # [s, b, out] -> [s*b, out] -> [out]
         grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
         if scatter is not None:
@@ -292,21 +296,16 @@ class LinearWithReduceScatterOverlap(torch.autograd.Function):
         input, weight = ctx.saved_tensors
         grad_input = None
         if ctx.needs_input_grad[0]:
-            # [s/tp, b, out] -> (all-gathered into total_grad [s, b, out]) x [out, in] -> [s, b, in]
-            grad_output = grad_output.contiguous()
-            total_grad = grad_output.new_empty((grad_output.shape[0] * get_pg_size(ctx.tp_group),)
-                                               + tuple(grad_output.shape[1:]))
-            grad_input = all_gather_matmul(grad_output, weight.t(), None, ctx.tp_group, gathered_out=total_grad)
+            # [s/tp, b, out] -> (all-gathered: total_grad [s, b, out]) x [out, in] -> [s, b, in]
+            grad_input, total_grad = all_gather_matmul(grad_output, weight.t(), None, ctx.tp_group,
+                                                       return_gathered=True)
         else:
             total_grad = all_gather_along_first_dim(grad_output, ctx.tp_group)  # [s/tp, b, out] -> [s, b, out]
         grad_weight = None
         if ctx.needs_input_grad[1]:
             # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
             grad_2d, input_2d = total_grad.reshape(-1, total_grad.shape[-1]), input.reshape(-1, input.shape[-1])
-            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-                grad_weight = _accumulate_weight_grad(weight, grad_2d, input_2d)
-            else:
-                grad_weight = grad_2d.t().matmul(input_2d)  # [out, s*b] @ [s*b, in] -> [out, in]
+            grad_weight = _weight_grad(ctx, weight, grad_2d, input_2d)
         return grad_input, grad_weight, None, None
 
 

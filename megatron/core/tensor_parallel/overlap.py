@@ -39,17 +39,20 @@ def _matmul_into(out_rows: torch.Tensor, chunk: torch.Tensor, weight: torch.Tens
 
 
 def all_gather_matmul(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                      gathered_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      return_gathered: bool = False):
     """[s/tp, b, i] (this rank's sequence chunk) -> [s, b, o]: the all-gathered input times weight^T (+ bias).
 
-    With `gathered_out` ([s, b, i], contiguous) the chunks are received straight into it, so that it holds
-    the all-gathered input afterwards (for a weight gradient that needs it)."""
+    With `return_gathered` the chunks are received straight into one [s, b, i] buffer, returned second (for
+    a weight gradient that needs the all-gathered input)."""
     world_size, rank = _world_size(group), _rank(group)
     current = input_.contiguous()
     chunk = current.shape[0]
     output = torch.empty((chunk * world_size,) + tuple(current.shape[1:-1]) + (weight.shape[0],),
                          dtype=current.dtype, device=current.device)
-    if gathered_out is not None:
+    gathered_out = None
+    if return_gathered:
+        # [s/tp, b, i] -> [s, b, i], this rank's chunk in place
+        gathered_out = current.new_empty((chunk * world_size,) + tuple(current.shape[1:]))
         gathered_out[rank * chunk:(rank + 1) * chunk].copy_(current)
     for step in range(world_size):
         pending = None
@@ -62,7 +65,7 @@ def all_gather_matmul(input_: torch.Tensor, weight: torch.Tensor, bias: Optional
         _matmul_into(output[owner * chunk:(owner + 1) * chunk], current, weight, bias)
         if pending is not None:
             current = pending.wait()
-    return output
+    return (output, gathered_out) if return_gathered else output
 
 
 def matmul_reduce_scatter(input_: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
