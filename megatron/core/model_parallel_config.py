@@ -96,9 +96,9 @@ class ModelParallelConfig:
     """Use Transformer Engine's RNG tracker (needed for CUDA graphs)."""
 
     tp_comm_overlap: bool = False
-    """Overlap the sequence-parallel all-gathers / reduce-scatters of the linear layers' forward passes with
-    their GEMMs (`--tp-comm-overlap`; native chunked pipelines in `tensor_parallel/overlap.py`, no userbuffers).
-    Needs sequence_parallel."""
+    """Overlap the sequence-parallel all-gathers / reduce-scatters of the linear layers' forward passes (and the
+    row-parallel backward's all-gather) with their GEMMs (`--tp-comm-overlap`; native chunked pipelines in
+    `tensor_parallel/overlap.py`, no userbuffers). Needs sequence_parallel."""
 
     tp_comm_bulk_wgrad: bool = True
     """TP overlap option: bulk overlap of the weight-grad GEMM. Ignored unless tp_comm_overlap."""
