@@ -247,7 +247,7 @@ def build_jobs(args):
     """Single-GPU jobs first (two at a time), then multi-GPU jobs, then the `--late` configs and tests."""
     single, multi, late = [], [], []
     for config in args.configs + args.late:
-        profile_out = os.path.join(args.out, f"profile_{config.replace(':', '_')}.txt") if config in args.profile else None
+        profile_out = os.path.join(args.out, f"profile_{config.replace(':', '_').replace('+', '_')}.txt") if config in args.profile else None
         job = ours_job(config, profile_out=profile_out)
         (late if config in args.late else single if job.gpus == 1 else multi).append(job)
         model = CONFIGS[config.partition(":")[0]][0]
@@ -260,13 +260,17 @@ def build_jobs(args):
             late.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                           "tests/unit/fusions", "tests/unit/models/test_models_gpu.py",
                                           "tests/unit/tensor_parallel", "tests/unit/test_deferred_checks.py"], 1))
-        elif extra == "graphtests":  # --enable-cuda-graph against eager runs, 1 and 2 GPUs
+        elif extra in ("graphtests", "graphtests-tp"):  # --enable-cuda-graph against eager runs (-tp: TP cases)
+            only = ["-k", "tp2"] if extra == "graphtests-tp" else []
             late.append(Job("graph_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-s",
-                                            "tests/functional/test_cuda_graph_gpu.py"], 2))
+                                            "tests/functional/test_cuda_graph_gpu.py"] + only, 2))
         elif extra == "gputests2":  # the NCCL parity tests, on 2 GPUs
             late.append(Job("gpu_tests_2", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s",
                                             "tests/parity/test_tp_nccl_gpu.py", "tests/parity/test_dp_nccl.py",
                                             "tests/parity/test_pp_nccl_gpu.py"], 2))
+        elif extra == "contention":  # GEMM slow-down under SP transfers, NCCL vs copy engine (2 GPUs)
+            late.append(Job("tp_contention", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                              os.path.join(ROOT, "benchmarks/gpu/tp_contention_bench.py")], 2))
     return single + multi + late
 
 
@@ -302,7 +306,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--yardstick", default=None, help="path of a copy of gpt_baseline.py (omit: no yardstick)")
     parser.add_argument("--configs", nargs="*", default=["gpt1.3b"])
-    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2")
+    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, contention")
     parser.add_argument("--late", nargs="*", default=[], help="configs to run after all the others")
     parser.add_argument("--profile", nargs="*", default=[], help="configs whose run also writes a profile table")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")

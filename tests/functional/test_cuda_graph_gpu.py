@@ -1,8 +1,9 @@
 """`--enable-cuda-graph` (per-layer CUDA graphs) through `pretrain_gpt.py` on GPUs: the graphed run must
 reproduce the eager run's losses, grad norms and parameter norms (same kernels, replayed; 2e-3 relative
 allows for the run-to-run noise of atomics in bf16), on one GPU with
-two micro-batches per step and an evaluation in between, with TP=2 + sequence parallelism, and with DP=2
-and overlapped gradient reduction. Skipped without CUDA (CI); the 2-GPU cases need two GPUs.
+two micro-batches per step and an evaluation in between, with TP=2 + sequence parallelism (also with
+--tp-comm-overlap, whose copy-engine transfers and barriers are captured), and with DP=2 and overlapped
+gradient reduction. Skipped without CUDA (CI); the 2-GPU cases need two GPUs.
 """
 import pytest
 import torch
@@ -27,8 +28,9 @@ def _curve(result):
 @pytest.mark.parametrize("nproc,extra", [
     (1, []),
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "2"]),
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap", "--global-batch-size", "2"]),
     (2, ["--overlap-grad-reduce", "--global-batch-size", "8"]),
-], ids=["1gpu-2microbatches", "tp2-sp", "dp2-overlap"])
+], ids=["1gpu-2microbatches", "tp2-sp", "tp2-sp-overlap", "dp2-overlap"])
 def test_graphed_run_reproduces_eager_run(nproc, extra):
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")

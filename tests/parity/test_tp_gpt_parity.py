@@ -37,6 +37,7 @@ GPT_CONFIGS = [
     ("gpt-sp-drop", "gpt", True, 0.1, 0.1, None, None),
     ("gpt-sp-drop-selective", "gpt", True, 0.1, 0.1, "selective", "gpt-sp-drop"),
     ("gpt-sp-overlap", "gpt", "overlap", 0.0, 0.0, None, "ref"),
+    ("gpt-sp-peercopy", "gpt", "peercopy", 0.0, 0.0, None, "ref"),
 ]
 LLAMA_CONFIGS = [
     ("llama-sp", "llama", True, 0.0, 0.0, None, "ref"),
@@ -45,6 +46,7 @@ LLAMA_CONFIGS = [
     ("llama-sp-drop", "llama", True, 0.1, 0.1, None, None),
     ("llama-sp-drop-full-uniform", "llama", True, 0.1, 0.1, "full-uniform", "llama-sp-drop"),
     ("llama-sp-overlap-selective", "llama", "overlap", 0.0, 0.0, "selective", "ref"),
+    ("llama-sp-peercopy-full-block", "llama", "peercopy", 0.0, 0.0, "full-block", "ref"),
 ]
 CONFIGS = GPT_CONFIGS + LLAMA_CONFIGS
 
@@ -55,7 +57,7 @@ def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute, dtype=tor
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(num_layers=2, hidden_size=32, num_attention_heads=8, use_cpu_initialization=True,
-              tensor_model_parallel_size=tp, sequence_parallel=bool(sp), tp_comm_overlap=sp == "overlap",
+              tensor_model_parallel_size=tp, sequence_parallel=bool(sp), tp_comm_overlap=sp in ("overlap", "peercopy"),
               hidden_dropout=hidden_dropout,
               attention_dropout=attention_dropout, init_method_std=0.2, params_dtype=dtype,
               bf16=dtype == torch.bfloat16)
@@ -127,18 +129,66 @@ def _train(kind, tp, sp, hd, ad, recompute, tp_group=None, device="cpu", dtype=t
     return history
 
 
+class _EmulatedExchange:
+    """One operation of `_EmulatedPeerCopy`: `publish` all-gathers the regions; `fetch` copies from them."""
+
+    def __init__(self, group, shape, dtype):
+        self.group, self.region = group, torch.full(shape, float("nan"), dtype=dtype)
+        self.regions = None
+
+    def publish(self):
+        import torch.distributed as dist
+
+        self.regions = [torch.empty_like(self.region) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(self.regions, self.region, group=self.group)
+
+    def fetch(self, peer, out, index=None):
+        out.copy_(self.regions[peer] if index is None else self.regions[peer][index])
+
+    def wait_for(self, fetched):
+        pass
+
+    def finish(self):
+        pass
+
+
+def _emulated_peer_copy_class():
+    from megatron.core.tensor_parallel.mappings import PeerCopyTransport
+
+    class Emulated(PeerCopyTransport):
+        """CPU stand-in for the copy-engine transport: the same schedule of regions, fetches and sums
+        (`tensor_parallel.overlap`, the column-parallel backward), the data moved by gloo."""
+
+        def __init__(self, group):
+            import torch.distributed as dist
+
+            self.group, self.world_size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+
+        def begin(self, shape, dtype):
+            return _EmulatedExchange(self.group, shape, dtype)
+    return Emulated
+
+
+def _EmulatedPeerCopy(group):
+    return _emulated_peer_copy_class()(group)
+
+
 def _rank_body(tp):
     import time
 
     import torch.distributed as dist
 
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import mappings
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     group = ps.get_tensor_model_parallel_group()
     results, start = {}, time.time()
     for name, kind, sp, hd, ad, recompute, _ in CONFIGS:
+        if sp == "peercopy":
+            mappings._PEER_TRANSPORTS[group] = _EmulatedPeerCopy(group)
         history = _train(kind, tp, sp, hd, ad, recompute, group)
+        mappings._PEER_TRANSPORTS.pop(group, None)
         # numpy arrays pickle by value (torch tensors would go through shared-memory handles)
         results[name] = [(loss, {k: g.numpy() for k, g in grads.items()}) for loss, grads in history]
     results["_seconds"] = time.time() - start

@@ -2,8 +2,8 @@
 
 Each rank first trains the single-process model (TP=1) on its own GPU in fp32 and in bf16, then the TP=2
 model in bf16, for the GPT and Llama-style configurations of the CPU parity test with and without sequence
-parallelism (no dropout), three SGD-with-momentum steps; three TP=2 cases also run with compiled layers (one of them with the linears traced), one
-with --tp-comm-overlap.
+parallelism (no dropout), three SGD-with-momentum steps; three TP=2 cases also run with compiled layers (one of them with the linears traced), three
+with --tp-comm-overlap (two moving the chunks by copy-engine peer copies, one by NCCL send/recv).
 "Within bf16 tolerances" is measured, not assumed: the
 TP=2 run's deviation from the TP=1 bf16 run (largest relative loss error over the steps, largest relative L2
 error of any gathered gradient) must not exceed 1.5x the deviation of the TP=1 bf16 run from the TP=1 fp32 run,
@@ -33,17 +33,28 @@ GPU_CONFIGS = [  # name, kind, sequence_parallel, recompute
     ("llama-sp-compiled", "llama", True, None),
     # the linears traced into the compiled layers too (MEGATRON_COMPILE_LINEARS=1, tensor_parallel/layers.py)
     ("gpt-sp-compiled-traced", "gpt", True, None),
+    # --tp-comm-overlap: chunks moved by copy-engine peer copies (the default on GPUs), and by NCCL send/recv
     ("gpt-sp-overlap", "gpt", "overlap", None),
+    ("llama-sp-overlap-selective", "llama", "overlap", "selective"),
+    ("gpt-sp-overlap-nccl", "gpt", "overlap", None),
 ]
 
 
 def _train_tp2(name, kind, sp, recompute, group):
+    from megatron.core.tensor_parallel import mappings
+
     os.environ["MEGATRON_COMPILE_LAYERS"] = "1" if "-compiled" in name else "0"
     os.environ["MEGATRON_COMPILE_LINEARS"] = "1" if name.endswith("-traced") else "0"
+    os.environ["MEGATRON_TP_OVERLAP_TRANSPORT"] = "nccl" if name.endswith("-nccl") else "auto"
+    mappings._PEER_TRANSPORTS.pop(group, None)  # the transport is chosen afresh for this case
     try:
-        return _train(kind, 2, sp, 0.0, 0.0, recompute, group, device="cuda", dtype=torch.bfloat16)
+        history = _train(kind, 2, sp, 0.0, 0.0, recompute, group, device="cuda", dtype=torch.bfloat16)
+        if sp == "overlap":  # the case ran on the transport it names
+            assert (group in mappings._PEER_TRANSPORTS) == (not name.endswith("-nccl")), name
+        return history
     finally:
-        del os.environ["MEGATRON_COMPILE_LAYERS"], os.environ["MEGATRON_COMPILE_LINEARS"]
+        for key in ("MEGATRON_COMPILE_LAYERS", "MEGATRON_COMPILE_LINEARS", "MEGATRON_TP_OVERLAP_TRANSPORT"):
+            del os.environ[key]
 
 
 def _worst(got, want):
@@ -70,7 +81,9 @@ def _worker(rank, world_size, init_file, out_dir):
         noise = {kind: _worst(single[(kind, str(torch.bfloat16))], single[(kind, str(torch.float32))])
                  for kind in ("gpt", "llama")}
         errors = {name: _worst(tp2[name], single[(kind, str(torch.bfloat16))]) for name, kind, _, _ in GPU_CONFIGS}
-        torch.save({"noise": noise, "errors": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
+        transports = _worst(tp2["gpt-sp-overlap"], tp2["gpt-sp-overlap-nccl"])
+        torch.save({"noise": noise, "errors": errors, "transports": transports},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -87,3 +100,7 @@ def test_tp2_sequence_parallel_bf16_on_nccl_within_bf16_noise():
                   f"bf16 vs fp32 loss {loss_noise:.1e} grad {grad_noise:.1e}")
             assert loss_err <= max(1.5 * loss_noise, 2e-3), f"rank {rank} {name}: loss error {loss_err:.2e}"
             assert grad_err <= 1.5 * grad_noise, f"rank {rank} {name}: gradient error {grad_err:.2e}"
+        # at TP=2 both transports add the same two partial sums: only GEMM rounding could tell them apart
+        loss_diff, grad_diff = result["transports"]
+        print(f"rank {rank} copy-engine vs NCCL send/recv overlap: loss {loss_diff:.1e} grad {grad_diff:.1e}")
+        assert grad_diff <= 0.1 * result["noise"]["gpt"][1], f"rank {rank}: transports differ by {grad_diff:.2e}"

@@ -27,12 +27,14 @@ from megatron.core.tensor_parallel.mappings import (
     all_reduce_tensor,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
+    peer_copy_transport,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_along_first_dim_async,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.tensor_parallel.overlap import all_gather_matmul, matmul_reduce_scatter
+from megatron.core.tensor_parallel.overlap import (
+    all_gather_matmul, matmul_reduce_scatter, matmul_reduce_scatter_async)
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.tensor_parallel.utils import VocabUtility, make_sharded_state_dict_for_layer
 from megatron.core.utils import divide
@@ -233,6 +235,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.grad_output_buffer = grad_output_buffer
         ctx.wgrad_deferral_limit = wgrad_deferral_limit
         ctx.tp_group = tp_group
+        ctx.overlap_all_gather = overlap_all_gather
         if sequence_parallel and overlap_all_gather:
             # [s/tp, b, in] -> [s, b, out], each chunk's GEMM overlapping the next chunk's transfer
             return all_gather_matmul(input, weight, bias, tp_group)
@@ -250,6 +253,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             if ctx.wgrad_deferral_limit == 0 or len(buffer) < ctx.wgrad_deferral_limit:
                 buffer.append(grad_output)
                 wgrad_compute = False
+        transport = (peer_copy_transport(group, grad_output.device)
+                     if ctx.sequence_parallel and ctx.overlap_all_gather else None)
+        if transport is not None:
+            return _sequence_parallel_backward_peer_copy(ctx, transport, grad_output, input, weight, wgrad_compute)
         total_input = input
         gather = None
         if ctx.sequence_parallel and wgrad_compute:
@@ -277,6 +284,29 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _sequence_parallel_backward_peer_copy(ctx, transport, grad_output, input, weight, wgrad_compute):
+    """The sequence-parallel backward of `LinearWithGradAccumulationAndAsyncCommunication` under
+    `--tp-comm-overlap` with a copy-engine transport: the input's all-gather (for the weight gradient) and
+    the dgrad's reduce-scatter move by copy engine while the dgrad and weight-gradient GEMMs run, so no
+    communication kernel takes SMs from them."""
+    gather = transport.all_gather_async(input) if wgrad_compute else None
+    scatter = None
+    if ctx.needs_input_grad[0]:
+        # [s, b, out] x [out, in] -> [s, b, in], reduce-scattered along s: [s/tp, b, in]
+        scatter = matmul_reduce_scatter_async(grad_output, weight.t(), ctx.tp_group)
+    grad_weight = None
+    if gather is not None:
+        total_input = gather.wait()
+        # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        input_2d = total_input.reshape(-1, total_input.shape[-1])
+        grad_weight = _weight_grad(ctx, weight, grad_output_2d, input_2d)
+    # [s, b, out] -> [s*b, out] -> [out]
+    grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
+    grad_input = scatter.wait() if scatter is not None else None
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 class LinearWithReduceScatterOverlap(torch.autograd.Function):
