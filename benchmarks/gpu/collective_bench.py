@@ -17,9 +17,12 @@ import torch.distributed as dist
 
 
 def timed(fn, iters=20, warmup=5):
+    """Median ms of `iters` calls after `warmup`; the ranks start the timed calls together."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

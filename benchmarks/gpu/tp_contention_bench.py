@@ -7,35 +7,22 @@ linear, rank 0 prints one JSON line of medians (ms):
 - `mm_full`: the unsplit GEMM; `mm_chunks`: the same as two half-sequence GEMMs;
 - `mm_chunks_nccl_busy` / `mm_chunks_ce_busy`: the two GEMMs while the 32 MB chunk crosses to the peer on a
   side stream, through NCCL send/recv (SM kernels) / a copy-engine peer copy out of symmetric memory;
-- `serial`: the plain collective then the GEMM; `ours`: `tensor_parallel.overlap` (NCCL ring exchange);
-- `ce`: the same pipeline with the chunk moved by a copy-engine peer copy (symmetric memory + barriers);
+- `serial`: the plain collective then the GEMM; `ours`: `tensor_parallel.overlap` as the product runs it
+  (the copy-engine transport since the sixth session; `MEGATRON_TP_OVERLAP_TRANSPORT=nccl` gives the NCCL
+  ring exchange, which is what the 2026-11-30 15:22 measurement in docs/performance.md ran);
+- `ce`: the standalone prototype of the copy-engine pipeline (symmetric memory + barriers) that the
+  transport grew from;
 - `nccl_xfer` / `ce_xfer`: the transfer alone.
 """
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
+from collective_bench import timed  # same folder (the script's directory is on sys.path)
 
 from megatron.core.tensor_parallel import overlap
 from megatron.core.tensor_parallel.mappings import ring_exchange_async
-
-
-def timed(fn, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 4)
 
 
 class PeerCopy:
