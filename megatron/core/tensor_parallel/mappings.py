@@ -422,14 +422,19 @@ _PEER_TRANSPORTS = weakref.WeakKeyDictionary()
 def peer_copy_transport(group, device: torch.device) -> Optional[PeerCopyTransport]:
     """The copy-engine transport of `group` (created on first use, a collective call), or None where it
     does not apply: CPU tensors, gloo groups, one rank, inside a compile trace, or
-    MEGATRON_TP_OVERLAP_TRANSPORT=nccl (then the pipelines use NCCL point-to-point)."""
+    MEGATRON_TP_OVERLAP_TRANSPORT=nccl (then the pipelines use NCCL point-to-point). It needs every rank
+    of the group on one host (GPUs that map each other's memory), which the default rank order gives TP
+    groups of up to one node's GPUs; set MEGATRON_TP_OVERLAP_TRANSPORT=nccl for a TP group across hosts."""
     if torch.compiler.is_compiling():
         return None
+    choice = os.environ.get("MEGATRON_TP_OVERLAP_TRANSPORT", "auto")
+    if choice not in ("auto", "nccl"):
+        raise ValueError(f"MEGATRON_TP_OVERLAP_TRANSPORT={choice!r}: expected 'auto' (copy-engine peer copies "
+                         f"where the TP ranks share a host) or 'nccl' (NCCL point-to-point); unset it or pick one")
     group = _resolve(group)
     if group in _PEER_TRANSPORTS:
         return _PEER_TRANSPORTS[group]
-    if (device.type != "cuda" or _world_size(group) == 1 or _is_gloo(group)
-            or os.environ.get("MEGATRON_TP_OVERLAP_TRANSPORT", "auto") == "nccl"):
+    if device.type != "cuda" or _world_size(group) == 1 or _is_gloo(group) or choice == "nccl":
         return None
     _PEER_TRANSPORTS[group] = PeerCopyTransport(group, device)
     return _PEER_TRANSPORTS[group]

@@ -68,9 +68,16 @@ def _selection_body():
     seeded = object()
     mappings._PEER_TRANSPORTS[group] = seeded
     choices["cached"] = mappings.peer_copy_transport(group, torch.device("cpu")) is seeded
+    os.environ["MEGATRON_TP_OVERLAP_TRANSPORT"] = "nvlink"
+    try:
+        mappings.peer_copy_transport(group, torch.device("cpu"))
+    except ValueError as error:
+        choices["bad value"] = str(error)
     return choices
 
 
 def test_transport_is_chosen_only_where_it_applies():
     for choices in run_on_ranks(_selection_body, 2, timeout=120):
+        bad = choices.pop("bad value")
         assert choices == {"gloo group": None, "one rank": None, "forced nccl": None, "cached": True}
+        assert "MEGATRON_TP_OVERLAP_TRANSPORT='nvlink'" in bad and "'nccl'" in bad
