@@ -4,6 +4,7 @@ Everything here reads the global args (`get_args`) where Megatron's versions do,
 against `megatron.training.utils` keep working.
 """
 import json
+import math
 import os
 import resource
 import sys
@@ -201,7 +202,9 @@ def get_batch_on_this_tp_rank(data_iterator):
     """TP rank 0 reads the next batch and broadcasts it over the TP group (§ TP batch broadcast).
 
     The first stage gets tokens/attention_mask/position_ids, the last stage labels/loss_mask/
-    attention_mask; entries a stage does not need are None.
+    attention_mask; entries a stage does not need are None. With TP > 1 the entries travel as one
+    broadcast of one packed byte buffer (one host-to-device copy and one collective per micro-batch
+    instead of one of each per entry).
     """
     args = get_args()
     device = _device()
@@ -216,28 +219,50 @@ def get_batch_on_this_tp_rank(data_iterator):
     shapes = {
         "tokens": ((mbs, seq), torch.int64),
         "labels": ((mbs, seq), torch.int64),
+        "position_ids": ((mbs, seq), torch.int64),
         "loss_mask": ((mbs, seq), torch.float32),
         "attention_mask": ((mbs, 1, seq, seq), torch.bool),
-        "position_ids": ((mbs, seq), torch.int64),
     }
+    wanted = [key for key in shapes if key in keys and (key != "attention_mask" or create_mask)]
+    data = None
     if mpu.get_tensor_model_parallel_rank() == 0:
         data = next(data_iterator) if data_iterator is not None else None
         if data is None:
             raise RuntimeError("TP rank 0 has no data iterator but must read the batch for its TP group.")
-        batch = {}
-        for key in shapes:
-            value = data.get(key) if key != "attention_mask" or create_mask else None
+    batch = dict.fromkeys(shapes)
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        for key in wanted:
+            value = data.get(key)
             batch[key] = value.to(device, non_blocking=True) if value is not None else None
-    else:
-        batch = {key: torch.empty(shape, dtype=dtype, device=device) for key, (shape, dtype) in shapes.items()}
-        if not create_mask:
-            batch["attention_mask"] = None
-    for key in shapes:
-        if key in keys:
-            _broadcast(batch[key])
-        else:
-            batch[key] = None
+        return batch
+    batch.update(_broadcast_packed(data, {key: shapes[key] for key in wanted}, device))
     return batch
+
+
+def _broadcast_packed(data, shapes, device):
+    """TP rank 0's `data[key]` for each key of `shapes` ({key: (shape, dtype)}) on every TP rank, moved as one
+    byte buffer: each entry at an 8-byte aligned offset, so every slice views back as its dtype."""
+    layout, total = [], 0
+    for key, (shape, dtype) in shapes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        layout.append((key, shape, dtype, total, nbytes))
+        total += -(-nbytes // 8) * 8
+    packed = torch.empty(total, dtype=torch.uint8, device=device)
+    if data is not None:  # TP rank 0
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        for key, shape, dtype, offset, nbytes in layout:
+            value = data.get(key)
+            if value is None or tuple(value.shape) != tuple(shape):
+                found = None if value is None else tuple(value.shape)
+                raise RuntimeError(f"TP batch broadcast: the batch's {key!r} is {found}, expected shape {tuple(shape)} "
+                                   f"(--micro-batch-size {shape[0]}, --seq-length {shape[-1]}).")
+            # [mbs, ...] -> [nbytes] bytes
+            host[offset:offset + nbytes].copy_(value.to(dtype).contiguous().view(-1).view(torch.uint8))
+        packed.copy_(host, non_blocking=True)
+    _broadcast(packed)
+    # [nbytes] bytes -> [mbs, ...] of each entry's dtype
+    return {key: packed[offset:offset + nbytes].view(dtype).view(shape)
+            for key, shape, dtype, offset, nbytes in layout}
 
 
 def get_batch_on_this_cp_rank(batch):

@@ -44,3 +44,31 @@ def _both():
 
 def test_tp_batch_broadcast_and_causal_mask_not_shipped():
     assert run_on_ranks(_both, 2, timeout=120) == [True, True]
+
+
+def test_packed_broadcast_round_trips_every_dtype_at_aligned_offsets():
+    from megatron.training.utils import _broadcast_packed
+
+    shapes = {"tokens": ((3, 5), torch.int64), "loss_mask": ((3, 5), torch.float32),
+              "attention_mask": ((3, 1, 5, 5), torch.bool), "position_ids": ((3, 5), torch.int64)}
+    data = {"tokens": torch.arange(15).view(3, 5), "loss_mask": torch.rand(3, 5),
+            "attention_mask": torch.rand(3, 1, 5, 5) > 0.5, "position_ids": torch.arange(5).repeat(3, 1)}
+    out = _broadcast_packed(data, shapes, torch.device("cpu"))  # no TP group: the packing alone
+    for key, value in data.items():
+        assert out[key].dtype == value.dtype and torch.equal(out[key], value), key
+    # 60-byte float32 entry and 75-byte mask: the entries after them still start at multiples of 8 bytes
+    assert all(t.storage_offset() * t.element_size() % 8 == 0 for t in out.values())
+
+
+def test_packed_broadcast_names_a_missing_or_misshaped_entry():
+    from megatron.training.utils import _broadcast_packed
+
+    shapes = {"tokens": ((2, 4), torch.int64), "labels": ((2, 4), torch.int64)}
+    for data, found in (({"tokens": torch.zeros(2, 4, dtype=torch.long)}, "None"),
+                        ({"tokens": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 3)}, "(2, 3)")):
+        try:
+            _broadcast_packed(data, shapes, torch.device("cpu"))
+        except RuntimeError as error:
+            assert "'labels'" in str(error) and found in str(error) and "--seq-length 4" in str(error)
+        else:
+            raise AssertionError("a missing or misshaped entry must be reported")
