@@ -96,9 +96,11 @@ class ModelParallelConfig:
     """Use Transformer Engine's RNG tracker (needed for CUDA graphs)."""
 
     tp_comm_overlap: bool = False
-    """Overlap the sequence-parallel all-gathers / reduce-scatters of the linear layers' forward passes (and the
-    row-parallel backward's all-gather) with their GEMMs (`--tp-comm-overlap`; native chunked pipelines in
-    `tensor_parallel/overlap.py`, no userbuffers). Needs sequence_parallel."""
+    """Overlap the sequence-parallel all-gathers / reduce-scatters of the linear layers (forward and backward)
+    with their GEMMs (`--tp-comm-overlap`; native chunked pipelines in `tensor_parallel/overlap.py`, no
+    userbuffers). On GPUs of one host the chunks move by copy-engine peer copies out of symmetric memory
+    (`tensor_parallel.mappings.PeerCopyTransport`), elsewhere over a point-to-point ring. Needs
+    sequence_parallel."""
 
     tp_comm_bulk_wgrad: bool = True
     """TP overlap option: bulk overlap of the weight-grad GEMM. Ignored unless tp_comm_overlap."""

@@ -55,7 +55,9 @@ TRAINING_FLAGS = (
     flag("--profile-ranks", type=int, nargs="+", default=[0], help="Profiling."),
     flag("--record-memory-history", action="store_true"),
     flag("--memory-snapshot-path", type=str, default="snapshot.pickle"),
-    flag("--tp-comm-overlap", action="store_true", help="TE userbuffer overlap (needs SP)."),
+    flag("--tp-comm-overlap", action="store_true",
+         help="Overlap the sequence-parallel all-gathers / reduce-scatters with the GEMMs (needs SP; native "
+              "pipelines, copy-engine transfers on one host, no Transformer Engine)."),
     flag("--tp-comm-overlap-cfg", type=str, help="TE userbuffer overlap (needs SP)."),
     flag("--disable-tp-comm-overlap-ag", action="store_false", dest="tp_comm_overlap_ag"),
     flag("--disable-tp-comm-overlap-rs", action="store_false", dest="tp_comm_overlap_rs"),
