@@ -270,20 +270,26 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             handle = all_reduce_tensor(grad_input, group, async_op=True)
         elif ctx.sequence_parallel and grad_input is not None:
             scatter = reduce_scatter_along_first_dim_async(grad_input, group)  # moves while the wgrad GEMM runs
-        grad_weight = None
-        if wgrad_compute:
-            # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
-            grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
-            # [s, b, in] -> [s*b, in]
-            input_2d = total_input.reshape(-1, total_input.shape[-1])
-            grad_weight = _weight_grad(ctx, weight, grad_output_2d, input_2d)
-        # [s, b, out] -> [s*b, out] -> [out]
-        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
+        grad_weight, grad_bias = _weight_and_bias_grads(ctx, weight, grad_output,
+                                                        total_input if wgrad_compute else None)
         if scatter is not None:
             grad_input = scatter.wait()
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _weight_and_bias_grads(ctx, weight, grad_output, total_input):
+    """(weight gradient, bias gradient) of `LinearWithGradAccumulationAndAsyncCommunication`'s backward; no
+    weight gradient when `total_input` (the all-gathered input) is None."""
+    # [s, b, out] -> [s*b, out]
+    grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+    grad_weight = None
+    if total_input is not None:
+        # [s, b, in] -> [s*b, in]
+        grad_weight = _weight_grad(ctx, weight, grad_output_2d, total_input.reshape(-1, total_input.shape[-1]))
+    grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None  # [s*b, out] -> [out]
+    return grad_weight, grad_bias
 
 
 def _sequence_parallel_backward_peer_copy(ctx, transport, grad_output, input, weight, wgrad_compute):
@@ -296,15 +302,8 @@ def _sequence_parallel_backward_peer_copy(ctx, transport, grad_output, input, we
     if ctx.needs_input_grad[0]:
         # [s, b, out] x [out, in] -> [s, b, in], reduce-scattered along s: [s/tp, b, in]
         scatter = matmul_reduce_scatter_async(grad_output, weight.t(), ctx.tp_group)
-    grad_weight = None
-    if gather is not None:
-        total_input = gather.wait()
-        # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
-        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        input_2d = total_input.reshape(-1, total_input.shape[-1])
-        grad_weight = _weight_grad(ctx, weight, grad_output_2d, input_2d)
-    # [s, b, out] -> [s*b, out] -> [out]
-    grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
+    total_input = gather.wait() if gather is not None else None
+    grad_weight, grad_bias = _weight_and_bias_grads(ctx, weight, grad_output, total_input)
     grad_input = scatter.wait() if scatter is not None else None
     return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 

@@ -427,13 +427,13 @@ def peer_copy_transport(group, device: torch.device) -> Optional[PeerCopyTranspo
     groups of up to one node's GPUs; set MEGATRON_TP_OVERLAP_TRANSPORT=nccl for a TP group across hosts."""
     if torch.compiler.is_compiling():
         return None
+    group = _resolve(group)
+    if group in _PEER_TRANSPORTS:
+        return _PEER_TRANSPORTS[group]
     choice = os.environ.get("MEGATRON_TP_OVERLAP_TRANSPORT", "auto")
     if choice not in ("auto", "nccl"):
         raise ValueError(f"MEGATRON_TP_OVERLAP_TRANSPORT={choice!r}: expected 'auto' (copy-engine peer copies "
                          f"where the TP ranks share a host) or 'nccl' (NCCL point-to-point); unset it or pick one")
-    group = _resolve(group)
-    if group in _PEER_TRANSPORTS:
-        return _PEER_TRANSPORTS[group]
     if device.type != "cuda" or _world_size(group) == 1 or _is_gloo(group) or choice == "nccl":
         return None
     _PEER_TRANSPORTS[group] = PeerCopyTransport(group, device)

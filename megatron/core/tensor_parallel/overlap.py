@@ -81,14 +81,12 @@ def all_gather_matmul(input_: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 def matmul_reduce_scatter(input_: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
     """[s, b, i/tp] -> [s/tp, b, o]: input times weight^T, summed over the TP ranks, this rank's sequence chunk."""
+    return matmul_reduce_scatter_async(input_, weight, group).wait()
+
+
+def _matmul_reduce_scatter_ring(input_, weight, group, chunk):
+    """`matmul_reduce_scatter` over the point-to-point ring (see the module docstring)."""
     world_size, rank = _world_size(group), _rank(group)
-    if input_.shape[0] % world_size != 0:
-        raise ValueError(f"GEMM + reduce-scatter: sequence length {input_.shape[0]} is not divisible by the TP "
-                         f"size {world_size}")
-    transport = peer_copy_transport(group, input_.device)
-    if transport is not None:
-        return matmul_reduce_scatter_async(input_, weight, group).wait()
-    chunk = input_.shape[0] // world_size
     pending = sent = None
     for step in range(world_size):
         target = (rank - step - 1) % world_size
@@ -136,17 +134,18 @@ def matmul_reduce_scatter_async(input_: torch.Tensor, weight: torch.Tensor, grou
     Through a `PeerCopyTransport` the partial products for the other ranks' chunks are computed first,
     straight into this rank's symmetric region, and published; this rank's own partial product follows
     while the peers' partial products for its chunk are copied here; GEMMs queued before `.wait()` (a
-    weight gradient) also overlap those copies. Without one it is the NCCL ring of `matmul_reduce_scatter`
-    run to completion."""
-    transport = peer_copy_transport(group, input_.device)
-    if transport is None:
-        result = matmul_reduce_scatter(input_, weight, group)
-        return PendingCollective(None, lambda: result)
-    world_size, rank = transport.world_size, transport.rank
+    weight gradient) also overlap those copies. Without one it is the point-to-point ring, run to
+    completion."""
+    world_size = _world_size(group)
     if input_.shape[0] % world_size != 0:
         raise ValueError(f"GEMM + reduce-scatter: sequence length {input_.shape[0]} is not divisible by the TP "
                          f"size {world_size}")
     chunk = input_.shape[0] // world_size
+    transport = peer_copy_transport(group, input_.device)
+    if transport is None:
+        result = _matmul_reduce_scatter_ring(input_, weight, group, chunk)
+        return PendingCollective(None, lambda: result)
+    rank = transport.rank
     shape = (chunk,) + tuple(input_.shape[1:-1]) + (weight.shape[0],)
     # row (target - rank - 1) % tp of this rank's region: its partial product for rank `target`'s chunk
     exchange = transport.begin((world_size - 1,) + shape, input_.dtype)

@@ -69,8 +69,8 @@ def _selection_body():
     mappings._PEER_TRANSPORTS[group] = seeded
     choices["cached"] = mappings.peer_copy_transport(group, torch.device("cpu")) is seeded
     os.environ["MEGATRON_TP_OVERLAP_TRANSPORT"] = "nvlink"
-    try:
-        mappings.peer_copy_transport(group, torch.device("cpu"))
+    try:  # read when a group's transport is chosen, i.e. for a group without one yet
+        mappings.peer_copy_transport(dist.new_group([0, 1]), torch.device("cpu"))
     except ValueError as error:
         choices["bad value"] = str(error)
     return choices
