@@ -98,6 +98,8 @@ VARIANTS = {
     "ctas8": {"NCCL_MAX_CTAS": "8"},  # fewer SMs for NCCL kernels that overlap compute
     "graph": {"flags": "--enable-cuda-graph"},  # per-layer CUDA graphs
     "tpoverlap": {"flags": "--tp-comm-overlap"},  # SP all-gather / reduce-scatter pipelined with the GEMMs
+    "fp8": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise"},  # FP8 GEMMs, current scaling
+    "fp8d": {"flags": "--fp8-format hybrid"},  # FP8 GEMMs, delayed scaling (Megatron's default recipe)
 }
 TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -260,14 +262,18 @@ def build_jobs(args):
             late.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                           "tests/unit/fusions", "tests/unit/models/test_models_gpu.py",
                                           "tests/unit/tensor_parallel", "tests/unit/test_deferred_checks.py"], 1))
-        elif extra in ("graphtests", "graphtests-tp"):  # --enable-cuda-graph against eager runs (-tp: TP cases)
-            only = ["-k", "tp2"] if extra == "graphtests-tp" else []
+        elif extra in ("graphtests", "graphtests-tp", "graphtests-fp8"):  # --enable-cuda-graph against eager runs
+            only = {"graphtests-tp": ["-k", "tp2"], "graphtests-fp8": ["-k", "fp8"]}.get(extra, [])
             late.append(Job("graph_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-s",
                                             "tests/functional/test_cuda_graph_gpu.py"] + only, 2))
         elif extra == "gputests2":  # the NCCL parity tests, on 2 GPUs
             late.append(Job("gpu_tests_2", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-s",
                                             "tests/parity/test_tp_nccl_gpu.py", "tests/parity/test_dp_nccl.py",
                                             "tests/parity/test_pp_nccl_gpu.py"], 2))
+        elif extra == "fp8":  # FP8 kernels against their fallbacks, and the FP8 GEMMs against bf16
+            late.append(Job("fp8_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                          "tests/unit/fp8"], 1))
+            late.append(Job("fp8_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/fp8_bench.py")], 1))
         elif extra == "contention":  # GEMM slow-down under SP transfers, NCCL vs copy engine (2 GPUs)
             late.append(Job("tp_contention", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                               os.path.join(ROOT, "benchmarks/gpu/tp_contention_bench.py")], 2))
@@ -306,7 +312,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--yardstick", default=None, help="path of a copy of gpt_baseline.py (omit: no yardstick)")
     parser.add_argument("--configs", nargs="*", default=["gpt1.3b"])
-    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, contention")
+    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, graphtests-fp8, contention, fp8")
     parser.add_argument("--late", nargs="*", default=[], help="configs to run after all the others")
     parser.add_argument("--profile", nargs="*", default=[], help="configs whose run also writes a profile table")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")

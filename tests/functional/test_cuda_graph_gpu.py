@@ -3,7 +3,8 @@ reproduce the eager run's losses, grad norms and parameter norms (same kernels, 
 allows for the run-to-run noise of atomics in bf16), on one GPU with
 two micro-batches per step and an evaluation in between, with TP=2 + sequence parallelism (also with
 --tp-comm-overlap, whose copy-engine transfers and barriers are captured), and with DP=2 and overlapped
-gradient reduction. Skipped without CUDA (CI); the 2-GPU cases need two GPUs.
+gradient reduction, and with FP8 GEMMs (delayed scaling's amax history updated inside the graphs; TP=2 with
+the amax all-reduces captured). Skipped without CUDA (CI); the 2-GPU cases need two GPUs.
 """
 import pytest
 import torch
@@ -30,7 +31,10 @@ def _curve(result):
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "2"]),
     (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap", "--global-batch-size", "2"]),
     (2, ["--overlap-grad-reduce", "--global-batch-size", "8"]),
-], ids=["1gpu-2microbatches", "tp2-sp", "tp2-sp-overlap", "dp2-overlap"])
+    (1, ["--fp8-format", "hybrid"]),
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "2", "--fp8-format",
+         "hybrid", "--fp8-recipe", "tensorwise"]),
+], ids=["1gpu-2microbatches", "tp2-sp", "tp2-sp-overlap", "dp2-overlap", "1gpu-fp8-delayed", "tp2-sp-fp8"])
 def test_graphed_run_reproduces_eager_run(nproc, extra):
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")

@@ -86,3 +86,23 @@ def test_done_when_command_line_exactly_as_written():
     result = run_pretrain(DONE_WHEN)
     losses = _check_log(result, train_iters=50, log_interval=10)
     assert losses[-1] < losses[0]
+
+
+
+
+def test_fp8_command_line_tracks_bf16_under_data_parallelism():
+    """`--fp8-format hybrid` (delayed scaling; the emulated FP8 GEMMs on CPU) with DP=2 and the distributed
+    optimizer: the weight gradients reach DDP's main_grad buffers, and the loss and gradient-norm curves
+    follow the bf16 run's (Adam hides a wrongly scaled gradient in the loss; the grad norm shows it)."""
+    flags = DONE_WHEN + ["--train-iters", "20", "--log-interval", "5", "--eval-iters", "0", "--bf16",
+                         "--use-distributed-optimizer", "--micro-batch-size", "2"]
+    curves = []
+    for extra in ([], ["--fp8-format", "hybrid"]):
+        result = run_pretrain(flags + extra, nproc=2)
+        losses = _check_log(result, train_iters=20, log_interval=5)
+        curves.append((losses, [float(x["grad_norm"]) for x in result.iterations]))
+    (bf16_loss, bf16_norm), (fp8_loss, fp8_norm) = curves
+    print(f"bf16 {curves[0]} fp8 {curves[1]}")
+    assert fp8_loss[-1] < fp8_loss[0] - 0.2, f"loss did not fall: {fp8_loss}"
+    assert max(abs(a - b) for a, b in zip(fp8_loss, bf16_loss)) < 0.01, f"fp8 {fp8_loss} vs bf16 {bf16_loss}"
+    assert max(abs(a / b - 1) for a, b in zip(fp8_norm, bf16_norm)) < 0.05, f"fp8 {fp8_norm} vs bf16 {bf16_norm}"

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from megatron.core import parallel_state
+from megatron.core.fp8.linear import fp8_linear
+from megatron.core.fp8.recipe import Fp8LinearState, Fp8Recipe
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
 from megatron.core.tensor_parallel.mappings import (
@@ -26,6 +28,7 @@ from megatron.core.tensor_parallel.mappings import (
     all_gather_along_first_dim_async,
     all_reduce_tensor,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     peer_copy_transport,
     reduce_from_tensor_model_parallel_region,
@@ -198,13 +201,27 @@ def _accumulate_weight_grad(weight, grad_output_2d, input_2d):
         _addmm_fp32_out(main_grad, grad_output_2d, input_2d)
     else:
         main_grad.add_(torch.matmul(grad_output_2d.t(), input_2d).to(main_grad.dtype))
+    return _main_grad_placeholder(weight)
+
+
+def _main_grad_placeholder(weight):
+    """What a fused linear hands autograd once its weight gradient is in `main_grad`: under Megatron's DDP
+    a placeholder its grad hook skips (the hook only runs when a grad reaches the param), else None."""
     if hasattr(weight, "grad_added_to_main_grad"):
-        # DDP's grad hook only runs when a grad reaches the param: hand it a placeholder it will skip.
         make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
         placeholder = make(weight.main_grad.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
         weight.grad_added_to_main_grad = True
         return placeholder
     return None
+
+
+def add_weight_grad_to_main_grad(weight, grad_weight):
+    """Gradient-accumulation fusion for a weight gradient computed elsewhere (the FP8 linears): add it into
+    `weight.main_grad` and return the placeholder; without `main_grad`, return the gradient itself."""
+    if getattr(weight, "main_grad", None) is None:
+        return grad_weight.to(weight.dtype)
+    weight.main_grad.add_(grad_weight)
+    return _main_grad_placeholder(weight)
 
 
 def _weight_grad(ctx, weight, grad_output_2d, input_2d):
@@ -513,8 +530,18 @@ class _ParallelLinearBase(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
+        self.fp8: Optional[Fp8LinearState] = None  # set by `enable_fp8` (the transformer layers' linears)
+
+    _FP8_SHARDED: tuple = ()
+
+    def enable_fp8(self, recipe: Fp8Recipe) -> None:
+        """Run this layer's GEMMs in FP8 under `recipe` from now on (the amax of the operands split over TP
+        reduced over the TP group, so the scales are those of the unsplit layer)."""
+        self.fp8 = Fp8LinearState(recipe, self.tp_group, self._FP8_SHARDED)
 
     def _linear(self, input_parallel, weight, bias, allreduce_dgrad, sequence_parallel, grad_output_buffer=None):
+        if self.fp8 is not None and grad_output_buffer is None:
+            return self._fp8_linear(input_parallel, weight, bias, allreduce_dgrad, sequence_parallel)
         impl = self._forward_impl if weight.requires_grad else linear_with_frozen_weight
         return impl(
             input=input_parallel,
@@ -528,6 +555,18 @@ class _ParallelLinearBase(torch.nn.Module):
             tp_group=self.tp_group,
             **({"tp_comm_overlap_ag": True} if sequence_parallel and self._overlap("ag") else {}),
         )
+
+    @torch.compiler.disable
+    def _fp8_linear(self, input_parallel, weight, bias, allreduce_dgrad, sequence_parallel):
+        """The FP8 GEMMs (`megatron.core.fp8.linear`) between this layer's TP mappings: (SP) all-gather the
+        input along the sequence (backward: reduce-scatter), or (TP without SP) all-reduce the input
+        gradient. Runs eagerly inside compiled layers, like the bf16 linears."""
+        if sequence_parallel:
+            input_parallel = gather_from_sequence_parallel_region(input_parallel, group=self.tp_group)
+        elif allreduce_dgrad:
+            input_parallel = copy_to_tensor_model_parallel_region(input_parallel, group=self.tp_group)
+        fused = self.gradient_accumulation_fusion and weight.requires_grad
+        return fp8_linear(input_parallel, weight, bias, self.fp8, add_weight_grad_to_main_grad if fused else None)
 
     def _overlap(self, half: str) -> bool:
         """Whether `--tp-comm-overlap` pipelines this layer's sequence-parallel all-gather ('ag') or
@@ -560,6 +599,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
     """
 
     _TP_AXIS_MAP = {"weight": 0, "bias": 0}
+    _FP8_SHARDED = ("weight", "grad_output")
 
     def __init__(self, input_size, output_size, *, config: ModelParallelConfig, init_method: Callable, bias=True,
                  gather_output=False, stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
@@ -639,6 +679,7 @@ class RowParallelLinear(_ParallelLinearBase):
     """
 
     _TP_AXIS_MAP = {"weight": 1}
+    _FP8_SHARDED = ("input", "weight")
 
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
                  bias: bool, input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,

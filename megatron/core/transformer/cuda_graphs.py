@@ -29,6 +29,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.core.fp8.recipe import fp8_scaling_state_kept
+
 logger = logging.getLogger(__name__)
 
 
@@ -222,13 +224,13 @@ class GraphedLayer:
         """One forward and backward on the static inputs outside the capture, on the capture stream, so
         that anything done once per input signature (a recompilation, a lazily compiled backward, a
         communicator) happens before capturing. The backward gets a zero output gradient: the weight
-        gradients it adds into `main_grad` are zeros, and the `grad_added_to_main_grad` flags it sets are
-        restored."""
+        gradients it adds into `main_grad` are zeros, and the `grad_added_to_main_grad` flags it sets and the
+        FP8 amax histories it updates are restored."""
         def forward_backward():
             output = run()
             torch.autograd.grad(output, self._grad_inputs(), grad_outputs=torch.zeros_like(output), allow_unused=True)
 
-        with main_grad_flags_restored(self.params):
+        with main_grad_flags_restored(self.params), fp8_scaling_state_kept(self.layer):
             self.graph_pool.run(forward_backward)
 
     def _capture_backward(self, grad_output: torch.Tensor) -> None:

@@ -14,6 +14,8 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.tensor_parallel.layers import _ParallelLinearBase
 from megatron.core.transformer.cuda_graphs import enable_layer_cuda_graphs
 from megatron.core.transformer.layer_compile import compile_forward, layer_compile_requested
 from megatron.core.transformer.module import MegatronModule
@@ -64,6 +66,23 @@ def _get_block_submodules(config, spec, vp_stage=None) -> TransformerBlockSubmod
     raise ValueError(f"TransformerBlock spec must be a layer spec, a block spec or TransformerBlockSubmodules, got {spec!r}")
 
 
+def enable_fp8(layers: torch.nn.Module, config: TransformerConfig) -> None:
+    """With `config.fp8`, switch every tensor-parallel linear inside `layers` to FP8 GEMMs (like Transformer
+    Engine's fp8_autocast around the transformer block: the embedding and the output layer stay in bf16)."""
+    recipe = Fp8Recipe.from_config(config)
+    if recipe is None:
+        return
+    from megatron.core.extensions.transformer_engine import _TransformerEngineModule
+
+    te_modules = sorted({type(m).__name__ for m in layers.modules() if isinstance(m, _TransformerEngineModule)})
+    if te_modules:
+        raise ValueError(f"fp8={config.fp8!r} with Transformer Engine's modules ({', '.join(te_modules)}): their FP8 "
+                         "(fp8_autocast) is not wired here; use --transformer-impl local for the native FP8 GEMMs.")
+    for module in layers.modules():
+        if isinstance(module, _ParallelLinearBase):
+            module.enable_fp8(recipe)
+
+
 class TransformerBlock(MegatronModule):
     """The transformer layers of one (virtual) pipeline stage."""
 
@@ -97,6 +116,7 @@ class TransformerBlock(MegatronModule):
         else:
             self.final_layernorm = None
         self.num_layers_per_pipeline_rank = len(self.layers)
+        enable_fp8(self.layers, config)
         if config.recompute_granularity != "selective" and layer_compile_requested(self):
             for layer in self.layers:
                 compile_forward(layer)

@@ -11,6 +11,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8.recipe import fp8_config_problems
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -413,6 +414,7 @@ class TransformerConfig(ModelParallelConfig):
             + self._fusion_problems()
             + self._pipeline_split_problems()
             + self._moe_problems()
+            + fp8_config_problems(self)
         )
         if problems:
             raise ValueError("invalid TransformerConfig:\n  " + "\n  ".join(problems))

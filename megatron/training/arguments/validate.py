@@ -377,6 +377,23 @@ def _validate_precision(args) -> List[str]:
         problems.append("--fp32-residual-connection needs --fp16 or --bf16 (the residual is already fp32 otherwise).")
     if args.loss_scale is not None and args.loss_scale <= 0:
         problems.append(f"--loss-scale ({args.loss_scale}) must be positive; omit it for dynamic loss scaling.")
+    return problems + _fp8_problems(args)
+
+
+def _fp8_problems(args) -> List[str]:
+    if args.fp8 is None:
+        return []
+    problems = []
+    if not (args.bf16 or args.fp16):
+        problems.append(f"--fp8-format {args.fp8} needs --bf16 or --fp16 (the precision of everything outside the "
+                        "FP8 GEMMs): add --bf16.")
+    if args.tp_comm_overlap:
+        problems.append(f"--fp8-format {args.fp8} with --tp-comm-overlap: the FP8 GEMMs do not pipeline TP "
+                        "communication; drop --tp-comm-overlap (or --fp8-format).")
+    if args.fp8_amax_history_len < 1:
+        problems.append(f"--fp8-amax-history-len ({args.fp8_amax_history_len}) must be at least 1.")
+    if args.fp8_margin < 0:
+        problems.append(f"--fp8-margin ({args.fp8_margin}) must be >= 0.")
     return problems
 
 

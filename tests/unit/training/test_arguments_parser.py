@@ -83,7 +83,8 @@ def test_manifest_entries_are_well_formed():
     for flag in ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
                  "--use-flash-attn"):
         assert manifest[flag]["status"] == "accepted", flag
-    for flag in ("--num-experts", "--multi-latent-attention", "--fp8-format", "--yaml-cfg", "--use-legacy-models",
+    assert manifest["--fp8-format"]["status"] == "supported" and "mxfp8" in manifest["--fp8-recipe"]["rejected_values"]
+    for flag in ("--num-experts", "--multi-latent-attention", "--fp8-param-gather", "--yaml-cfg", "--use-legacy-models",
                  "--optimizer-cpu-offload", "--context-parallel-size", "--sft", "--mtp-num-layers"):
         assert manifest[flag]["status"] == "rejected", flag
     for flag in ("--num-layers", "--swiglu", "--use-torch-fsdp2", "--use-distributed-optimizer", "--ckpt-format"):

@@ -487,3 +487,10 @@ def _tp2_rank():
 
 def test_te_model_matches_native_model_at_tp2():
     assert run_on_ranks(_tp2_rank, 2, timeout=120) == [True, True]
+
+
+def test_fp8_with_transformer_engine_modules_is_a_clear_error_and_native_fp8_without_te():
+    with pytest.raises(ValueError, match="transformer-impl local"):
+        _gpt(_config("gpt", fp8="hybrid"), "gpt", stand_in=True)
+    native = _gpt(_config("gpt", fp8="hybrid"), "gpt", stand_in=False)
+    assert native.decoder.layers[0].self_attention.linear_qkv.fp8 is not None

@@ -1,0 +1,107 @@
+"""FP8 building blocks: absolute maximum, scaled quantization (optionally also transposed) and the scaled GEMM.
+
+Each has a Triton / `torch._scaled_mm` path for CUDA GPUs that have FP8 tensor cores (compute capability
+8.9 or newer) and a plain-PyTorch path everywhere else (CPU, older GPUs, Triton missing, shapes the FP8
+GEMM cannot take). Both paths compute the same numbers: the scale is `fp8_max / (amax * 2**margin)` in
+fp32 (1 where amax is 0), values are multiplied by it in fp32, clamped to the format's range and rounded
+to nearest-even; the emulated GEMM multiplies the dequantized operands in fp32. So CPU tests check the
+algorithm, and a GPU test checks the fast kernels against the fallback.
+"""
+import functools
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core.utils import module_available
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_kernels():
+    """The Triton kernels, compiled lazily; None when Triton is not installed."""
+    if not module_available("triton"):
+        return None
+    from megatron.core.fp8 import _triton
+
+    return _triton
+
+
+def native_fp8_device(device: torch.device) -> bool:
+    """Whether `device` runs FP8 GEMMs natively (CUDA, compute capability >= 8.9, `torch._scaled_mm`)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and tensor.is_contiguous() and tensor.dim() == 2 and _triton_kernels() is not None
+
+
+def amax(tensor: torch.Tensor) -> torch.Tensor:
+    """max |tensor| as an fp32 tensor of shape [1] (no host synchronization)."""
+    if _use_triton(tensor) and tensor.numel() > 0:
+        return _triton_kernels().amax(tensor)
+    if tensor.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=tensor.device)
+    return torch.linalg.vector_norm(tensor, ord=float("inf")).float().reshape(1)
+
+
+def scale_from_amax(amax_: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """fp8_max / (amax * 2**margin) in fp32, 1 where amax is 0 (nothing to scale): shape of `amax_`."""
+    bounded = amax_.float() * (2.0 ** margin)
+    return torch.where(bounded > 0, FP8_MAX[fp8_dtype] / bounded.clamp_min(torch.finfo(torch.float32).tiny),
+                       torch.ones_like(bounded))
+
+
+def quantize(tensor: torch.Tensor, amax_: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0,
+             transpose: bool = False, amax_out: Optional[torch.Tensor] = None
+             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Quantize a 2-D tensor [m, n] with the scale that `amax_` ([1], fp32) gives.
+
+    Returns (q [m, n], q^T [n, m] contiguous or None, scale_inv [1] fp32), so that q * scale_inv ~ tensor.
+    With `amax_out` (fp32 [1], holding 0) max |tensor| is also written there, in the same pass over the
+    tensor on GPU (delayed scaling quantizes with an older amax and records the current one).
+    """
+    if tensor.dim() != 2:
+        raise ValueError(f"quantize takes a 2-D tensor, got shape {tuple(tensor.shape)}")
+    if _use_triton(tensor) and tensor.numel() > 0:
+        return _triton_kernels().quantize(tensor, amax_, fp8_dtype, margin, transpose, amax_out)
+    if amax_out is not None:
+        torch.maximum(amax_out, amax(tensor), out=amax_out)
+    scale = scale_from_amax(amax_, fp8_dtype, margin)
+    limit = FP8_MAX[fp8_dtype]
+    q = (tensor.float() * scale).clamp_(-limit, limit).to(fp8_dtype)
+    q_t = q.t().contiguous() if transpose else None
+    return q, q_t, scale.reciprocal()
+
+
+def _native_gemm_shapes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return all(size % 16 == 0 for size in (a.shape[0], a.shape[1], b.shape[0]))
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+              out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
+    """(a * a_scale_inv) [m, k] @ ((b * b_scale_inv) [n, k])^T (+ bias [n]) -> [m, n] in `out_dtype`.
+
+    Both operands are row-major FP8 ([m, k] and [n, k], the layout Hopper's FP8 GEMM takes); not both E5M2.
+    `fast_accum` lets the GEMM accumulate in reduced precision (the forward GEMM's choice in Transformer
+    Engine; gradients use full accumulation).
+    """
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"scaled_mm: inner dimensions differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if native_fp8_device(a.device) and _native_gemm_shapes(a, b):
+        fused_bias = bias if bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32 else None
+        out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.reshape(()), scale_b=b_scale_inv.reshape(()),
+                               bias=fused_bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        if bias is not None and fused_bias is None:
+            out = out + bias.to(out_dtype)
+        return out
+    # [m, k] @ [k, n] -> [m, n], dequantized operands in fp32
+    out = torch.matmul(a.float() * a_scale_inv, (b.float() * b_scale_inv).t())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)

@@ -1,0 +1,168 @@
+"""FP8 recipes (`--fp8-format`, `--fp8-recipe`, ...) and the per-linear scaling state they need."""
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.fp8 import kernels
+from megatron.core.process_groups_config import get_pg_size
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("delayed", "tensorwise")
+AMAX_ALGOS = ("most_recent", "max")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How the transformer layers' linears run their GEMMs in FP8."""
+
+    fp8_format: str
+    """'e4m3': E4M3 everywhere; 'hybrid': E4M3 for inputs and weights, E5M2 for output gradients."""
+
+    recipe: str = "delayed"
+    """'delayed': scale from the amax history of earlier steps (one pass over each tensor);
+    'tensorwise': scale from the tensor's own amax (a second pass, exact under recomputation)."""
+
+    margin: int = 0
+    """Scale down by 2**margin beyond what the amax needs (headroom for growth)."""
+
+    amax_history_len: int = 1
+    """Delayed scaling: how many past amax values each tensor keeps."""
+
+    amax_compute_algo: str = "most_recent"
+    """Delayed scaling: scale from the most recent amax or the maximum of the history."""
+
+    wgrad: bool = True
+    """Weight-gradient GEMM in FP8 too (else in the input's precision)."""
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return kernels.E4M3
+
+    @property
+    def backward_dtype(self) -> torch.dtype:
+        return kernels.E5M2 if self.fp8_format == "hybrid" else kernels.E4M3
+
+    @classmethod
+    def from_config(cls, config) -> Optional["Fp8Recipe"]:
+        """The recipe a TransformerConfig asks for (None without `fp8`)."""
+        if getattr(config, "fp8", None) is None:
+            return None
+        return cls(fp8_format=config.fp8, recipe=config.fp8_recipe or "delayed", margin=config.fp8_margin,
+                   amax_history_len=config.fp8_amax_history_len, amax_compute_algo=config.fp8_amax_compute_algo,
+                   wgrad=config.fp8_wgrad)
+
+
+def fp8_config_problems(config) -> List[str]:
+    """What in a config's FP8 fields the native FP8 path cannot run, each with the fix."""
+    if getattr(config, "fp8", None) is None:
+        return []
+    problems = []
+    if config.fp8 not in FORMATS:
+        problems.append(f"fp8={config.fp8!r} is not an FP8 format: use 'e4m3' or 'hybrid'.")
+    if (config.fp8_recipe or "delayed") not in RECIPES:
+        problems.append(f"fp8_recipe={config.fp8_recipe!r} is not implemented natively (it needs Blackwell-class "
+                        "block scaling): use 'delayed' or 'tensorwise'.")
+    if config.fp8_amax_history_len < 1:
+        problems.append(f"fp8_amax_history_len ({config.fp8_amax_history_len}) must be at least 1.")
+    if config.fp8_amax_compute_algo not in AMAX_ALGOS:
+        problems.append(f"fp8_amax_compute_algo={config.fp8_amax_compute_algo!r}: use 'most_recent' or 'max'.")
+    if config.fp8_margin < 0:
+        problems.append(f"fp8_margin ({config.fp8_margin}) must be >= 0.")
+    if config.fp8_param:
+        problems.append("fp8_param (FP8 parameters) is not implemented: keep the parameters in bf16/fp16; the GEMMs "
+                        "still run in FP8.")
+    if getattr(config, "tp_comm_overlap", False):
+        problems.append("fp8 with tp_comm_overlap: the FP8 GEMMs do not pipeline TP communication; drop one of them.")
+    return problems
+
+
+class TensorScaling:
+    """The scale of one operand (input, weight or output gradient) of one linear.
+
+    `amax_group`: the process group whose ranks each hold a shard of this operand (a tensor-parallel
+    weight, a column-parallel output gradient, a row-parallel input). Its amax is the maximum over the
+    group (one tiny all-reduce), so every shard is quantized with the scale the whole tensor gets in a
+    single-process run, as Transformer Engine's amax reduction does.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, dtype: torch.dtype, amax_group=None):
+        self.recipe = recipe
+        self.dtype = dtype
+        self.amax_group = amax_group if amax_group is not None and get_pg_size(amax_group) > 1 else None
+        self.amax_history: Optional[torch.Tensor] = None
+
+    def _reduced(self, amax_: torch.Tensor) -> torch.Tensor:
+        if self.amax_group is not None:
+            # imported here: tensor_parallel's package imports the layers, which import this module
+            from megatron.core.tensor_parallel.mappings import all_reduce_tensor
+
+            all_reduce_tensor(amax_, self.amax_group, op=dist.ReduceOp.MAX)
+        return amax_
+
+    def quantize(self, tensor: torch.Tensor, transpose: bool):
+        """(q, q^T or None, scale_inv) of a 2-D tensor under this operand's recipe.
+
+        Delayed scaling quantizes with the amax of earlier calls and then records this tensor's amax, in
+        the same pass on GPU. Its first call (a new model, or one just loaded from a checkpoint, whose
+        history is not saved) has no earlier amax: it scales by the tensor's own amax, where Transformer
+        Engine uses scale 1 (which flushes small gradients to zero on that step).
+        """
+        recipe = self.recipe
+        history = self.amax_history
+        if recipe.recipe == "tensorwise" or history is None or history.device != tensor.device:
+            current = self._reduced(kernels.amax(tensor))
+            if recipe.recipe == "delayed":
+                self.amax_history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=tensor.device)
+                self.amax_history[:1].copy_(current)
+            return kernels.quantize(tensor, current, self.dtype, recipe.margin, transpose)
+        reference = history.max().reshape(1) if recipe.amax_compute_algo == "max" else history[:1]
+        current = torch.zeros(1, dtype=torch.float32, device=tensor.device)
+        quantized = kernels.quantize(tensor, reference, self.dtype, recipe.margin, transpose, amax_out=current)
+        if history.numel() > 1:
+            history.copy_(torch.roll(history, 1))
+        history[:1].copy_(self._reduced(current))
+        return quantized
+
+
+class Fp8LinearState:
+    """The FP8 recipe of one linear layer and the scaling state of its three GEMM operands.
+
+    `sharded`: which operands ('input', 'weight', 'grad_output') are split over `tp_group` (their amax is
+    reduced over it)."""
+
+    def __init__(self, recipe: Fp8Recipe, tp_group=None, sharded: Tuple[str, ...] = ()):
+        unknown = set(sharded) - {"input", "weight", "grad_output"}
+        if unknown:
+            raise ValueError(f"Fp8LinearState: unknown operands {sorted(unknown)} in sharded={sharded!r}")
+
+        def group(name):
+            return tp_group if name in sharded else None
+
+        self.recipe = recipe
+        self.input = TensorScaling(recipe, recipe.forward_dtype, group("input"))
+        self.weight = TensorScaling(recipe, recipe.forward_dtype, group("weight"))
+        self.grad_output = TensorScaling(recipe, recipe.backward_dtype, group("grad_output"))
+
+    def __repr__(self):
+        return f"Fp8LinearState({self.recipe.fp8_format}, {self.recipe.recipe})"
+
+
+@contextlib.contextmanager
+def fp8_scaling_state_kept(module: torch.nn.Module):
+    """Run the block and put every FP8 amax history inside `module` back as it was (in place: captured
+    CUDA graphs keep pointing at the same tensors). For passes that are not training steps, such as the
+    warm-up before a CUDA-graph capture, whose zero output gradient would otherwise enter the history."""
+    scalings = [scaling for sub in module.modules() if isinstance(getattr(sub, "fp8", None), Fp8LinearState)
+                for scaling in (sub.fp8.input, sub.fp8.weight, sub.fp8.grad_output)]
+    saved = [None if s.amax_history is None else s.amax_history.clone() for s in scalings]
+    try:
+        yield
+    finally:
+        for scaling, history in zip(scalings, saved):
+            if history is not None:
+                scaling.amax_history.copy_(history)
+            else:
+                scaling.amax_history = None
