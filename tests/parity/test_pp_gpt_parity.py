@@ -1,12 +1,13 @@
 """A tiny GPTModel trained through the pipeline schedules vs the same model in one process.
 
 Every layout (PP=2/4 1F1B, interleaved VP=2, uneven first/last stages, tied and untied embeddings,
-TP=2 combined with PP at world 4 and 8) starts from the weights of one reference model (sliced per
+TP=2 combined with PP at world 4 and 8, FP8 GEMMs with the tensorwise recipe) starts from the weights of one reference model (sliced per
 stage and TP rank), runs two iterations of forward/backward through `get_forward_backward_func()`
 with DDP + `finalize_model_grads` (overlapped grad reduction with `grad_sync_func` in two layouts),
 and a plain SGD step in between. Losses of both iterations and
 the gradients of the second must match the reference to 1e-6 relative (fp32; only the summation
-order of tied-embedding and TP reductions differs).
+order of tied-embedding and TP reductions differs; the FP8 case against the single-process FP8 model,
+its weight gradients going into DDP's main_grad through the FP8 linear's sink).
 """
 import functools
 
@@ -32,6 +33,7 @@ CASES_4 = [
     dict(name="pp2-vp2-tied-overlap", pp=2, vp=2, layers=4, m=4, tied=True, overlap=True),
     dict(name="pp4-uneven-tied", pp=4, layers=6, m=5, tied=True, first=1, last=1),
     dict(name="tp2-pp2-tied", tp=2, pp=2, layers=4, m=3, tied=True),
+    dict(name="pp2-fp8-tied-overlap", pp=2, layers=4, m=3, tied=True, overlap=True, fp8=True),
 ]
 CASES_8 = [
     dict(name="tp2-pp4-untied-dealloc", tp=2, pp=4, layers=4, m=4, tied=False, dealloc=True),
@@ -51,6 +53,9 @@ def _config(case, **parallel):
         num_layers_in_first_pipeline_stage=case.get("first"),
         num_layers_in_last_pipeline_stage=case.get("last"),
         deallocate_pipeline_outputs=case.get("dealloc", False),
+        fp8="hybrid" if case.get("fp8") else None,
+        fp8_recipe="tensorwise",
+        gradient_accumulation_fusion=bool(case.get("fp8")),
         **parallel,
     )
 
