@@ -27,9 +27,9 @@ SHAPES = {"gpt1.3b": [("qkv", 6144, 2048), ("proj", 2048, 2048), ("fc1", 8192, 2
 
 
 def _fallback_quantize(tensor, amax_, dtype, transpose):
-    scale = kernels.scale_from_amax(amax_, dtype)
-    q = (tensor.float() * scale).clamp_(-kernels.FP8_MAX[dtype], kernels.FP8_MAX[dtype]).to(dtype)
-    return q, q.t().contiguous() if transpose else None, scale.reciprocal()
+    """The PyTorch fallback of `kernels.quantize` (run on a CPU copy), back on the GPU."""
+    return tuple(None if t is None else t.cuda() for t in kernels.quantize(tensor.cpu(), amax_.cpu(), dtype,
+                                                                              transpose=transpose))
 
 
 def check_kernels():

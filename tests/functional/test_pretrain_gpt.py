@@ -88,8 +88,6 @@ def test_done_when_command_line_exactly_as_written():
     assert losses[-1] < losses[0]
 
 
-
-
 def test_fp8_command_line_tracks_bf16_under_data_parallelism():
     """`--fp8-format hybrid` (delayed scaling; the emulated FP8 GEMMs on CPU) with DP=2 and the distributed
     optimizer: the weight gradients reach DDP's main_grad buffers, and the loss and gradient-norm curves
@@ -104,5 +102,6 @@ def test_fp8_command_line_tracks_bf16_under_data_parallelism():
     (bf16_loss, bf16_norm), (fp8_loss, fp8_norm) = curves
     print(f"bf16 {curves[0]} fp8 {curves[1]}")
     assert fp8_loss[-1] < fp8_loss[0] - 0.2, f"loss did not fall: {fp8_loss}"
+    assert fp8_loss != bf16_loss, "the FP8 run computed exactly the bf16 numbers: were its GEMMs FP8 at all?"
     assert max(abs(a - b) for a, b in zip(fp8_loss, bf16_loss)) < 0.01, f"fp8 {fp8_loss} vs bf16 {bf16_loss}"
     assert max(abs(a / b - 1) for a, b in zip(fp8_norm, bf16_norm)) < 0.05, f"fp8 {fp8_norm} vs bf16 {bf16_norm}"

@@ -1,12 +1,12 @@
 """A tiny GPTModel trained through the pipeline schedules vs the same model in one process.
 
 Every layout (PP=2/4 1F1B, interleaved VP=2, uneven first/last stages, tied and untied embeddings,
-TP=2 combined with PP at world 4 and 8, FP8 GEMMs with the tensorwise recipe) starts from the weights of one reference model (sliced per
-stage and TP rank), runs two iterations of forward/backward through `get_forward_backward_func()`
-with DDP + `finalize_model_grads` (overlapped grad reduction with `grad_sync_func` in two layouts),
-and a plain SGD step in between. Losses of both iterations and
-the gradients of the second must match the reference to 1e-6 relative (fp32; only the summation
-order of tied-embedding and TP reductions differs; the FP8 case against the single-process FP8 model,
+TP=2 combined with PP at world 4 and 8, FP8 GEMMs with the tensorwise recipe) starts from the weights
+of one reference model (sliced per stage and TP rank), runs two iterations of forward/backward through
+`get_forward_backward_func()` with DDP + `finalize_model_grads` (overlapped grad reduction with
+`grad_sync_func` in some layouts), and a plain SGD step in between. Losses of both iterations and the
+gradients of the second must match the reference to 1e-6 relative (fp32; only the summation order of
+tied-embedding and TP reductions differs; the FP8 case is compared with the single-process FP8 model,
 its weight gradients going into DDP's main_grad through the FP8 linear's sink).
 """
 import functools

@@ -49,12 +49,15 @@ LLAMA_CONFIGS = [
     ("llama-sp-overlap-selective", "llama", "overlap", 0.0, 0.0, "selective", "ref"),
     ("llama-sp-peercopy-full-block", "llama", "peercopy", 0.0, 0.0, "full-block", "ref"),
     ("llama-fp8-full-block", "llama-fp8", False, 0.0, 0.0, "full-block", "ref"),
+    ("llama-sp-fp8-delayed-full-block", "llama-fp8d", True, 0.0, 0.0, "full-block", "ref"),
 ]
 CONFIGS = GPT_CONFIGS + LLAMA_CONFIGS
-# FP8 GEMMs (kind '-fp8', tensorwise hybrid recipe) against the single-process FP8 model: the amax of
-# every TP-split operand is reduced over TP, so both quantize with the same scales; what differs is
-# the fp32 summation order feeding the next quantization, which flips the rounding of a few values.
-FP8_TOLERANCES = (1e-4, 1e-3)
+# FP8 GEMMs (kind '-fp8': tensorwise hybrid recipe; '-fp8d': delayed, here with full recompute, whose
+# first forward runs without autograd and leaves the amax history alone) against the single-process FP8
+# model: the amax of every TP-split operand is reduced over TP, so both quantize with the same scales and
+# only the fp32 summation order differs (worst seen 4e-7); it could flip the rounding of a value that sits
+# on a rounding boundary, hence the looser bound. Without the amax reduction the loss is off by 0.5%.
+FP8_TOLERANCES = (1e-5, 1e-4)
 
 
 def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute, dtype=torch.float32):
@@ -62,12 +65,12 @@ def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute, dtype=tor
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kind, _, precision = kind.partition("-")
-    kw = dict(fp8="hybrid" if precision == "fp8" else None, fp8_recipe="tensorwise", num_layers=2, hidden_size=32, num_attention_heads=8, use_cpu_initialization=True,
+    kind, _, precision = kind.partition("-")  # 'gpt-fp8': FP8 GEMMs, tensorwise; 'gpt-fp8d': delayed scaling
+    kw = dict(fp8="hybrid" if precision else None, fp8_recipe="delayed" if precision == "fp8d" else "tensorwise")
+    kw.update(num_layers=2, hidden_size=32, num_attention_heads=8, use_cpu_initialization=True,
               tensor_model_parallel_size=tp, sequence_parallel=bool(sp), tp_comm_overlap=sp in ("overlap", "peercopy"),
-              hidden_dropout=hidden_dropout,
-              attention_dropout=attention_dropout, init_method_std=0.2, params_dtype=dtype,
-              bf16=dtype == torch.bfloat16)
+              hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, init_method_std=0.2,
+              params_dtype=dtype, bf16=dtype == torch.bfloat16)
     if recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif recompute:
@@ -239,7 +242,7 @@ def _check_tp(tp):
         assert all(torch.isfinite(torch.tensor(loss)) for loss, _ in history)
         worst = 0.0
         if compare_with == "ref":
-            loss_tol, grad_tol = FP8_TOLERANCES if kind.endswith("-fp8") else (1e-6, 1e-5)
+            loss_tol, grad_tol = FP8_TOLERANCES if "-fp8" in kind else (1e-6, 1e-5)
             worst = _compare(history, _reference(kind, hd, ad), f"TP={tp} {name} vs single process", loss_tol,
                              grad_tol)
         elif compare_with is not None:

@@ -19,35 +19,53 @@ if module_available("triton"):
     import triton.language as tl
 
     @triton.jit
+    def _nan_aware_max(values):
+        """max of a 1-D block that is NaN when any value is (`tl.max` alone skips NaNs)."""
+        nans = tl.sum((values != values).to(tl.int32), axis=0)
+        return tl.where(nans > 0, float("nan"), tl.max(values, axis=0))
+
+    @triton.jit
+    def _scale_of(amax_ptr, fp8_max, margin_mult):
+        """fp8_max / (amax * margin_mult), exactly rounded; 1 for an amax that is 0, inf or NaN; at most the
+        largest fp32 (a tiny amax)."""
+        bounded = tl.load(amax_ptr).to(tl.float32) * margin_mult
+        usable = (bounded > 0) & (bounded < float("inf"))
+        scale = tl.math.div_rn(fp8_max, tl.where(usable, bounded, 1.0))
+        return tl.where(usable, tl.minimum(scale, 3.4028234663852886e38), 1.0)
+
+    @triton.jit
     def _amax_kernel(x_ptr, partials_ptr, n, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         step = tl.num_programs(0) * BLOCK
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(pid * BLOCK, n, step):
-            offsets = start + tl.arange(0, BLOCK)
+            offsets = start.to(tl.int64) + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(x))
-        tl.store(partials_ptr + pid, tl.max(acc, axis=0))
+            acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+        tl.store(partials_ptr + pid, _nan_aware_max(acc))
 
     @triton.jit
     def _quantize_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, scale_inv_ptr, partials_ptr, M, N, fp8_max, margin_mult,
                          WRITE_T: tl.constexpr, AMAX_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        bounded = tl.load(amax_ptr).to(tl.float32) * margin_mult
-        scale = tl.where(bounded > 0, tl.math.div_rn(fp8_max, tl.maximum(bounded, 1.1754943508222875e-38)), 1.0)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        scale = _scale_of(amax_ptr, fp8_max, margin_mult)
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: tensors of 2**31 elements and more
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x * scale, -fp8_max), fp8_max)
+        nan = tl.PropagateNan.ALL  # a NaN stays NaN (as in the PyTorch fallback's clamp)
+        y = tl.minimum(tl.maximum(x * scale, -fp8_max, propagate_nan=nan), fp8_max, propagate_nan=nan)
         q = y.to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
         if WRITE_T:
             mask_t = (cols[:, None] < N) & (rows[None, :] < M)
             tl.store(qt_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=mask_t)
         if AMAX_OUT:
-            tl.store(partials_ptr + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+            row_max = tl.max(tl.abs(x), axis=1)
+            row_nans = tl.sum((x != x).to(tl.int32), axis=1)
+            tl.store(partials_ptr + pid_m * tl.num_programs(1) + pid_n,
+                     _nan_aware_max(tl.where(row_nans > 0, float("nan"), row_max)))
         if pid_m == 0 and pid_n == 0:
             tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
 

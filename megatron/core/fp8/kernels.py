@@ -8,6 +8,7 @@ to nearest-even; the emulated GEMM multiplies the dequantized operands in fp32. 
 algorithm, and a GPU test checks the fast kernels against the fallback.
 """
 import functools
+import logging
 from typing import Optional, Tuple
 
 import torch
@@ -17,6 +18,7 @@ from megatron.core.utils import module_available
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +53,14 @@ def amax(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_amax(amax_: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
-    """fp8_max / (amax * 2**margin) in fp32, 1 where amax is 0 (nothing to scale): shape of `amax_`."""
+    """fp8_max / (amax * 2**margin) in fp32 (one exactly rounded division), shape of `amax_`: 1 where amax is
+    0, inf or NaN (nothing usable to scale by), at most the largest fp32 (a tiny amax)."""
     bounded = amax_.float() * (2.0 ** margin)
-    return torch.where(bounded > 0, FP8_MAX[fp8_dtype] / bounded.clamp_min(torch.finfo(torch.float32).tiny),
-                       torch.ones_like(bounded))
+    usable = (bounded > 0) & torch.isfinite(bounded)
+    ones = torch.ones_like(bounded)
+    # `full / bounded` (a true division): `python_float / tensor` would round twice (reciprocal, then product)
+    scale = torch.full_like(bounded, FP8_MAX[fp8_dtype]).div(torch.where(usable, bounded, ones))
+    return torch.where(usable, scale.clamp_max(torch.finfo(torch.float32).max), ones)
 
 
 def quantize(tensor: torch.Tensor, amax_: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0,
@@ -76,7 +82,19 @@ def quantize(tensor: torch.Tensor, amax_: torch.Tensor, fp8_dtype: torch.dtype, 
     limit = FP8_MAX[fp8_dtype]
     q = (tensor.float() * scale).clamp_(-limit, limit).to(fp8_dtype)
     q_t = q.t().contiguous() if transpose else None
-    return q, q_t, scale.reciprocal()
+    return q, q_t, torch.ones_like(scale).div(scale)
+
+
+_WARNED_DEVICES = set()
+
+
+def warn_emulated_fp8_gemm(device: torch.device) -> None:
+    """One warning per CUDA device whose FP8 GEMMs run as fp32 matmuls (no FP8 tensor cores, or a shape that
+    is not a multiple of 16): correct, but slower than bf16."""
+    if device.type == "cuda" and device not in _WARNED_DEVICES:
+        _WARNED_DEVICES.add(device)
+        logger.warning("FP8 GEMMs on %s are emulated in fp32 (FP8 tensor cores need compute capability 8.9+ and "
+                       "dimensions divisible by 16): slower than bf16; drop --fp8-format on this GPU.", device)
 
 
 def _native_gemm_shapes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -100,8 +118,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sca
         if bias is not None and fused_bias is None:
             out = out + bias.to(out_dtype)
         return out
-    # [m, k] @ [k, n] -> [m, n], dequantized operands in fp32
-    out = torch.matmul(a.float() * a_scale_inv, (b.float() * b_scale_inv).t())
+    warn_emulated_fp8_gemm(a.device)
+    # [m, k] @ [k, n] -> [m, n] on the FP8 values (exact in fp32, and in TF32 should a GPU use it), then scaled
+    out = torch.matmul(a.float(), b.float().t()) * (a_scale_inv * b_scale_inv)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)

@@ -17,13 +17,14 @@ from megatron.core.fp8.recipe import Fp8LinearState
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias, state: Fp8LinearState, wgrad_sink: Optional[Callable]):
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, input, weight, bias, state: Fp8LinearState, wgrad_sink: Optional[Callable], grad_enabled: bool):
+        # needs_input_grad says what requires grad, not whether autograd records this call (no_grad)
+        need_dgrad, need_wgrad = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         fp8_wgrad = state.recipe.wgrad
         # [..., in] -> [tokens, in]
         input_2d = input.reshape(-1, input.shape[-1]).contiguous()
-        x_q, x_q_t, x_inv = state.input.quantize(input_2d, transpose=need_wgrad and fp8_wgrad)
-        w_q, w_q_t, w_inv = state.weight.quantize(weight.contiguous(), transpose=need_dgrad)
+        x_q, x_q_t, x_inv = state.input.quantize(input_2d, transpose=need_wgrad and fp8_wgrad, record=grad_enabled)
+        w_q, w_q_t, w_inv = state.weight.quantize(weight.contiguous(), transpose=need_dgrad, record=grad_enabled)
         out = kernels.scaled_mm(x_q, w_q, x_inv, w_inv, input.dtype, bias=bias, fast_accum=True)
         kept_input = (x_q_t if fp8_wgrad else input_2d) if need_wgrad else None
         ctx.save_for_backward(kept_input, x_inv, w_q_t, w_inv, weight)
@@ -58,7 +59,7 @@ class _Fp8Linear(torch.autograd.Function):
             if ctx.wgrad_sink is not None:
                 grad_weight = ctx.wgrad_sink(weight, grad_weight)
         grad_bias = grad_2d.sum(dim=0) if ctx.use_bias else None  # [tokens, out] -> [out]
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 @torch.compiler.disable
@@ -69,6 +70,8 @@ def fp8_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     `wgrad_sink(weight, grad_weight)`, when given, takes the weight gradient (fp32 when `weight.main_grad`
     is fp32) and returns what autograd should get (gradient-accumulation fusion adds it into `main_grad`
     and returns a placeholder). Always runs eagerly: a compiled layer calls it as an opaque step (its
-    kernels are Triton's and its scaling state is updated in place).
+    kernels are Triton's and its scaling state is updated in place). Without autograd recording (no_grad:
+    evaluation, the first pass of activation recompute) no transposed copies are made and delayed scaling
+    does not add to its amax history.
     """
-    return _Fp8Linear.apply(input, weight, bias, state, wgrad_sink)
+    return _Fp8Linear.apply(input, weight, bias, state, wgrad_sink, torch.is_grad_enabled())

@@ -74,6 +74,12 @@ def fp8_config_problems(config) -> List[str]:
     if config.fp8_param:
         problems.append("fp8_param (FP8 parameters) is not implemented: keep the parameters in bf16/fp16; the GEMMs "
                         "still run in FP8.")
+    for field, what in (("fp8_dot_product_attention", "FP8 attention"),
+                        ("fp8_multi_head_attention", "FP8 attention projections outside the linears"),
+                        ("first_last_layers_bf16", "keeping the first/last layers in bf16")):
+        if getattr(config, field, False):
+            problems.append(f"{field}: {what} is not implemented natively; set it False (the linears' GEMMs "
+                            "still run in FP8).")
     if getattr(config, "tp_comm_overlap", False):
         problems.append("fp8 with tp_comm_overlap: the FP8 GEMMs do not pipeline TP communication; drop one of them.")
     return problems
@@ -102,13 +108,16 @@ class TensorScaling:
             all_reduce_tensor(amax_, self.amax_group, op=dist.ReduceOp.MAX)
         return amax_
 
-    def quantize(self, tensor: torch.Tensor, transpose: bool):
+    def quantize(self, tensor: torch.Tensor, transpose: bool, record: bool = True):
         """(q, q^T or None, scale_inv) of a 2-D tensor under this operand's recipe.
 
         Delayed scaling quantizes with the amax of earlier calls and then records this tensor's amax, in
         the same pass on GPU. Its first call (a new model, or one just loaded from a checkpoint, whose
         history is not saved) has no earlier amax: it scales by the tensor's own amax, where Transformer
-        Engine uses scale 1 (which flushes small gradients to zero on that step).
+        Engine uses scale 1 (which flushes small gradients to zero on that step). `record=False` (forwards
+        without autograd: evaluation, the first pass of activation recompute) uses the history without
+        adding to it, so the recomputed forward quantizes exactly as the original one. A non-finite amax
+        (an overflowing step) is not recorded: the entry repeats the amax that was used.
         """
         recipe = self.recipe
         history = self.amax_history
@@ -116,14 +125,17 @@ class TensorScaling:
             current = self._reduced(kernels.amax(tensor))
             if recipe.recipe == "delayed":
                 self.amax_history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=tensor.device)
-                self.amax_history[:1].copy_(current)
+                self.amax_history[:1].copy_(torch.where(torch.isfinite(current), current, 0.0))
             return kernels.quantize(tensor, current, self.dtype, recipe.margin, transpose)
-        reference = history.max().reshape(1) if recipe.amax_compute_algo == "max" else history[:1]
+        reference = history.max().reshape(1) if recipe.amax_compute_algo == "max" else history[:1].clone()
+        if not record:
+            return kernels.quantize(tensor, reference, self.dtype, recipe.margin, transpose)
         current = torch.zeros(1, dtype=torch.float32, device=tensor.device)
         quantized = kernels.quantize(tensor, reference, self.dtype, recipe.margin, transpose, amax_out=current)
+        current = self._reduced(current)
         if history.numel() > 1:
             history.copy_(torch.roll(history, 1))
-        history[:1].copy_(self._reduced(current))
+        history[:1].copy_(torch.where(torch.isfinite(current), current, reference))
         return quantized
 
 

@@ -15,6 +15,7 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.utils import module_available
 from megatron.training.arguments.derive import derive, derived_ffn_hidden_size
 from megatron.training.arguments.errors import ArgumentsError
 from megatron.training.arguments.manifest import rejected_flag_problems
@@ -390,6 +391,9 @@ def _fp8_problems(args) -> List[str]:
     if args.tp_comm_overlap:
         problems.append(f"--fp8-format {args.fp8} with --tp-comm-overlap: the FP8 GEMMs do not pipeline TP "
                         "communication; drop --tp-comm-overlap (or --fp8-format).")
+    if args.transformer_impl == "transformer_engine" and args.spec is None and module_available("transformer_engine"):
+        problems.append(f"--fp8-format {args.fp8} with --transformer-impl transformer_engine (installed): Transformer "
+                        "Engine's own FP8 is not wired here; add --transformer-impl local for the native FP8 GEMMs.")
     if args.fp8_amax_history_len < 1:
         problems.append(f"--fp8-amax-history-len ({args.fp8_amax_history_len}) must be at least 1.")
     if args.fp8_margin < 0:

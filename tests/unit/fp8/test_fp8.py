@@ -40,6 +40,19 @@ def test_scale_edge_cases_zero_amax_and_margin():
     assert inv.item() == 1.0 and not q.float().any()
 
 
+def test_non_finite_and_tiny_amax_give_usable_scales_and_nan_stays_nan():
+    for bad in (float("inf"), float("nan")):
+        assert kernels.scale_from_amax(torch.tensor([bad]), E4M3).item() == 1.0
+    assert kernels.scale_from_amax(torch.tensor([1e-45]), E4M3).item() == torch.finfo(torch.float32).max
+    x = torch.tensor([[1.0, float("nan")], [float("inf"), -2.0]])
+    q, _, inv = kernels.quantize(x, kernels.amax(x), E4M3)
+    assert inv.item() == 1.0 and torch.isnan(q.float()[0, 1]) and q.float()[1].tolist() == [448.0, -2.0]
+    scaling = TensorScaling(Fp8Recipe("hybrid", amax_history_len=2), E4M3)
+    scaling.quantize(torch.full((2, 2), 4.0), transpose=False)
+    scaling.quantize(torch.tensor([[1.0, float("inf")]]), transpose=False)  # an overflowing step
+    assert scaling.amax_history.tolist() == [4.0, 4.0]  # the amax used is repeated, not inf
+
+
 def test_quantize_with_an_older_amax_saturates_and_records_the_current_one():
     x = torch.tensor([[1.0, -8.0], [0.5, 2.0]])
     current = torch.zeros(1)
@@ -107,6 +120,20 @@ def test_delayed_scaling_uses_the_history_and_rolls_it():
     # a value above the recorded amax saturates at the format's maximum instead of overflowing
     q, _, inv = recent.quantize(torch.tensor([[16.0, 1.0]]), transpose=False)
     assert q.float().tolist() == [[448.0, 224.0]] and inv.item() == pytest.approx(2 / 448)
+
+
+def test_forward_without_autograd_leaves_the_history_so_recompute_matches():
+    torch.manual_seed(5)
+    x, weight = torch.randn(8, 16), torch.nn.Parameter(torch.randn(8, 16))
+    state = Fp8LinearState(Fp8Recipe("hybrid", amax_history_len=1))
+    fp8_linear(x * 3, weight, None, state).sum().backward()  # a first step fills the histories
+    history = state.input.amax_history.clone()
+    with torch.no_grad():  # evaluation, or the first pass of activation recompute
+        first = fp8_linear(x, weight, None, state)
+    assert torch.equal(state.input.amax_history, history)
+    recomputed = fp8_linear(x, weight, None, state)
+    assert torch.equal(first, recomputed.detach())
+    assert state.input.amax_history.item() == x.abs().max().item()
 
 
 def test_scaling_state_kept_restores_histories_in_place():
@@ -185,6 +212,9 @@ def test_config_and_command_line_problems():
                           fp8_param=True, fp8_amax_history_len=0)
     text = str(error.value)
     assert "fp8_recipe='mxfp8'" in text and "fp8_param" in text and "fp8_amax_history_len (0)" in text
+    with pytest.raises(ValueError, match="fp8_dot_product_attention: FP8 attention is not implemented"):
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="e4m3",
+                          fp8_dot_product_attention=True)
     assert fp8_config_problems(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)) == []
 
 
@@ -198,8 +228,8 @@ def test_command_line_fp8_flags(monkeypatch):
     base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
             "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --mock-data --tokenizer-type NullTokenizer "
             "--vocab-size 128 --lr 1e-3").split()
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + base + ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise",
-                                                                   "--fp8-param-gather"])
+    bad = ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-param-gather"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + base + bad)
     with pytest.raises(ArgumentsError) as error:
         validate_args(parse_args())
     text = str(error.value)

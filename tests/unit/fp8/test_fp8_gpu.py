@@ -17,38 +17,46 @@ def _needs_fp8_gpu():
         pytest.skip("needs Triton")
 
 
-def _fallback(tensor, amax_, dtype, transpose):
-    scale = kernels.scale_from_amax(amax_, dtype)
-    q = (tensor.float() * scale).clamp_(-kernels.FP8_MAX[dtype], kernels.FP8_MAX[dtype]).to(dtype)
-    return q, q.t().contiguous() if transpose else None, scale.reciprocal()
-
-
 def _mismatch(name, got, want):
-    got, want = got.view(torch.uint8), want.view(torch.uint8)
-    bad = (got != want).nonzero()
+    """Positions whose FP8 bytes differ; a NaN matches any NaN (encodings of NaN may differ)."""
+    got, want = got.cpu(), want.cpu()
+    both_nan = got.float().isnan() & want.float().isnan()
+    bad = ((got.view(torch.uint8) != want.view(torch.uint8)) & ~both_nan).nonzero()
     return f"{name}: {len(bad)} of {got.numel()} differ, first at {bad[:3].tolist()}" if len(bad) else ""
+
+
+def _special_values(shape, generator):
+    """Random values with a zero row, a NaN, an inf and a tiny value planted (when the shape has room)."""
+    x = torch.randn(shape, device="cuda", generator=generator) * 3
+    if x.numel() > 8:
+        x.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), 1e-30], device="cuda")
+        x[-1] = 0.0
+    return x
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 2048), (1000, 72), (64, 70), (3, 5), (130, 64)])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_triton_quantize_matches_the_fallback_bit_for_bit(shape, dtype):
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf-zero"])
+def test_triton_quantize_matches_the_fallback_bit_for_bit(shape, dtype, special):
+    """Triton (CUDA tensors) against the PyTorch fallback of the same functions (the CPU copy)."""
     _needs_fp8_gpu()
     generator = torch.Generator(device="cuda").manual_seed(shape[0])
-    x = (torch.randn(shape, device="cuda", generator=generator) * 3).to(torch.bfloat16)
-    amax_ = kernels.amax(x)
-    reference_amax = x.float().abs().max().reshape(1)
-    assert torch.equal(amax_, reference_amax), (amax_, reference_amax)
-    q, q_t, inv = kernels.quantize(x, amax_, dtype, transpose=True)
-    rq, rq_t, rinv = _fallback(x, reference_amax, dtype, True)
-    # the kernel divides exactly (IEEE); torch's CUDA reciprocal may be 1 ulp off
-    assert (inv.view(torch.int32) - rinv.view(torch.int32)).abs().item() <= 1, (inv, rinv)
-    problems = [_mismatch("q", q, rq), _mismatch("q^T", q_t, rq_t)]
-    assert not any(problems), "; ".join(p for p in problems if p)
+    x = (_special_values(shape, generator) if special else torch.randn(shape, device="cuda", generator=generator) * 3)
+    x = x.to(torch.bfloat16)
+    amax_, reference_amax = kernels.amax(x), kernels.amax(x.cpu())
+    torch.testing.assert_close(amax_.cpu(), reference_amax, rtol=0, atol=0, equal_nan=True)
+    finite = x.float().abs().nan_to_num(0.0, posinf=0.0).max().reshape(1)  # a usable amax even with NaN / inf
+    for used in (amax_, finite):
+        q, q_t, inv = kernels.quantize(x, used, dtype, transpose=True)
+        rq, rq_t, rinv = kernels.quantize(x.cpu(), used.cpu(), dtype, transpose=True)
+        assert torch.equal(inv.cpu(), rinv), (inv, rinv)
+        problems = [_mismatch("q", q, rq), _mismatch("q^T", q_t, rq_t)]
+        assert not any(problems), "; ".join(p for p in problems if p)
     recorded = torch.zeros(1, device="cuda")
-    q2, _, _ = kernels.quantize(x, reference_amax / 2, dtype, amax_out=recorded)
-    assert torch.equal(recorded, reference_amax)
-    assert not _mismatch("saturated", q2, _fallback(x, reference_amax / 2, dtype, False)[0])
+    q2, _, _ = kernels.quantize(x, finite / 2, dtype, amax_out=recorded)
+    torch.testing.assert_close(recorded.cpu(), reference_amax, rtol=0, atol=0, equal_nan=True)
+    assert not _mismatch("saturated", q2, kernels.quantize(x.cpu(), finite.cpu() / 2, dtype)[0])
 
 
 @pytest.mark.gpu
