@@ -54,8 +54,9 @@ if module_available("triton"):
         cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        nan = tl.PropagateNan.ALL  # a NaN stays NaN (as in the PyTorch fallback's clamp)
-        y = tl.minimum(tl.maximum(x * scale, -fp8_max, propagate_nan=nan), fp8_max, propagate_nan=nan)
+        # a NaN stays NaN (as in the PyTorch fallback's clamp)
+        y = tl.maximum(x * scale, -fp8_max, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.minimum(y, fp8_max, propagate_nan=tl.PropagateNan.ALL)
         q = y.to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
         if WRITE_T:
