@@ -1,5 +1,5 @@
 #!/bin/bash
-# Llama-3 8B pretraining on one 8-GPU node (TP=1, PP=1, distributed optimizer, bf16).
+# Llama-3 8B pretraining on one 8-GPU node (TP=1, PP=1, distributed optimizer, bf16; FP8=1 for FP8 GEMMs).
 # Usage: bash examples/llama/train_llama3_8b.sh <ckpt dir> <tensorboard dir> <HF tokenizer name or path> <data prefix>
 # With data prefix "MOCK" it trains on mock data (no dataset needed).
 set -euo pipefail
@@ -20,6 +20,12 @@ TRAINING_ARGS=(--micro-batch-size 1 --global-batch-size 128 --train-iters 100000
                --lr-decay-style cosine --lr-warmup-iters 2000 --weight-decay 0.1 --adam-beta1 0.9
                --adam-beta2 0.95 --clip-grad 1.0 --bf16 --use-distributed-optimizer --overlap-grad-reduce
                --overlap-param-gather)
+# FP8=1: FP8 GEMMs in the transformer layers (H100/H200; native Triton + torch._scaled_mm, Transformer Engine
+# not needed), with the amax recipe of Megatron-LM's Llama-3 FP8 example.
+if [ "${FP8:-0}" = "1" ]; then
+    TRAINING_ARGS+=(--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max
+                    --transformer-impl local)
+fi
 if [ "$DATA_PATH" = "MOCK" ]; then
     DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 128255)
 else
