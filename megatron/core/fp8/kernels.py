@@ -3,9 +3,10 @@
 Each has a Triton / `torch._scaled_mm` path for CUDA GPUs that have FP8 tensor cores (compute capability
 8.9 or newer) and a plain-PyTorch path everywhere else (CPU, older GPUs, Triton missing, shapes the FP8
 GEMM cannot take). Both paths compute the same numbers: the scale is `fp8_max / (amax * 2**margin)` in
-fp32 (1 where amax is 0), values are multiplied by it in fp32, clamped to the format's range and rounded
-to nearest-even; the emulated GEMM multiplies the dequantized operands in fp32. So CPU tests check the
-algorithm, and a GPU test checks the fast kernels against the fallback.
+fp32, one exactly rounded division (1 where amax is 0, inf or NaN), values are multiplied by it in fp32,
+clamped to the format's range (NaN stays NaN) and rounded to nearest-even; the emulated GEMM multiplies
+the FP8 values in fp32 and scales the product. So CPU tests check the algorithm, and a GPU test checks the
+fast kernels against the fallback bit for bit.
 """
 import functools
 import logging
@@ -69,7 +70,7 @@ def quantize(tensor: torch.Tensor, amax_: torch.Tensor, fp8_dtype: torch.dtype, 
     """Quantize a 2-D tensor [m, n] with the scale that `amax_` ([1], fp32) gives.
 
     Returns (q [m, n], q^T [n, m] contiguous or None, scale_inv [1] fp32), so that q * scale_inv ~ tensor.
-    With `amax_out` (fp32 [1], holding 0) max |tensor| is also written there, in the same pass over the
+    With `amax_out` (fp32 [1]) max(amax_out, max |tensor|) is also written there, in the same pass over the
     tensor on GPU (delayed scaling quantizes with an older amax and records the current one).
     """
     if tensor.dim() != 2:

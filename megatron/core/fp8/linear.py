@@ -3,7 +3,7 @@
 Inputs and weights are quantized to E4M3, output gradients to E5M2 ('hybrid') or E4M3, each with one
 scale per tensor (`recipe.TensorScaling`). The backward needs W and x in the other orientation; the
 quantizing kernel writes those transposed copies in the same pass, and only the FP8 copies (not the
-bf16 input) are kept for the backward. Communication stays outside (the caller wraps this with the TP
+bf16 input, except with `--no-fp8-wgrad`) are kept for the backward. Communication stays outside (the caller wraps this with the TP
 mappings), so this file is pure math and runs anywhere: FP8 tensor cores where there are some, an
 fp32 emulation of the same numbers elsewhere (`kernels`).
 """

@@ -99,13 +99,16 @@ class TensorScaling:
         self.dtype = dtype
         self.amax_group = amax_group if amax_group is not None and get_pg_size(amax_group) > 1 else None
         self.amax_history: Optional[torch.Tensor] = None
-
-    def _reduced(self, amax_: torch.Tensor) -> torch.Tensor:
+        self._all_reduce = None
         if self.amax_group is not None:
-            # imported here: tensor_parallel's package imports the layers, which import this module
+            # imported here, once: tensor_parallel's package imports the layers, which import this module
             from megatron.core.tensor_parallel.mappings import all_reduce_tensor
 
-            all_reduce_tensor(amax_, self.amax_group, op=dist.ReduceOp.MAX)
+            self._all_reduce = all_reduce_tensor
+
+    def _reduced(self, amax_: torch.Tensor) -> torch.Tensor:
+        if self._all_reduce is not None:
+            self._all_reduce(amax_, self.amax_group, op=dist.ReduceOp.MAX)
         return amax_
 
     def quantize(self, tensor: torch.Tensor, transpose: bool, record: bool = True):
