@@ -10,9 +10,13 @@ import torch
 from megatron.core.fp8.kernels import FP8_MAX
 from megatron.core.utils import module_available
 
-_AMAX_BLOCK = 4096
-_AMAX_MAX_PROGRAMS = 2048
-_TILE = 64
+# Launch settings measured on an H200 (benchmarks/gpu/fp8_quant_sweep.py, activations of 16384 tokens): the
+# quantizer moves 3.2-3.7 TB/s with them (a bf16 copy: 3.6-4.1), ~5% faster than 64x64 tiles; the amax
+# kernel ~14% faster than with 4096-element blocks in at most 2048 programs.
+_AMAX_BLOCK = 2048
+_AMAX_WARPS = 4
+_AMAX_MAX_PROGRAMS = 4096
+_TILE_M, _TILE_N, _TILE_WARPS = 64, 128, 4
 
 if module_available("triton"):
     import triton
@@ -77,7 +81,7 @@ def amax(tensor: torch.Tensor) -> torch.Tensor:
     n = tensor.numel()
     programs = min(triton.cdiv(n, _AMAX_BLOCK), _AMAX_MAX_PROGRAMS)
     partials = torch.empty(programs, dtype=torch.float32, device=tensor.device)
-    _amax_kernel[(programs,)](tensor, partials, n, BLOCK=_AMAX_BLOCK)
+    _amax_kernel[(programs,)](tensor, partials, n, BLOCK=_AMAX_BLOCK, num_warps=_AMAX_WARPS)
     return partials.amax().reshape(1)
 
 
@@ -89,12 +93,12 @@ def quantize(tensor: torch.Tensor, amax_: torch.Tensor, fp8_dtype: torch.dtype, 
     q = torch.empty((rows, cols), dtype=fp8_dtype, device=tensor.device)
     q_t = torch.empty((cols, rows), dtype=fp8_dtype, device=tensor.device) if transpose else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=tensor.device)
-    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
+    grid = (triton.cdiv(rows, _TILE_M), triton.cdiv(cols, _TILE_N))
     partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=tensor.device) if amax_out is not None \
         else scale_inv
     _quantize_kernel[grid](tensor, amax_, q, q_t if transpose else q, scale_inv, partials, rows, cols,
                            FP8_MAX[fp8_dtype], 2.0 ** margin, WRITE_T=transpose, AMAX_OUT=amax_out is not None,
-                           BLOCK_M=_TILE, BLOCK_N=_TILE)
+                           BLOCK_M=_TILE_M, BLOCK_N=_TILE_N, num_warps=_TILE_WARPS)
     if amax_out is not None:
         torch.maximum(amax_out, partials.amax().reshape(1), out=amax_out)
     return q, q_t, scale_inv

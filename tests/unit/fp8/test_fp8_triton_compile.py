@@ -13,8 +13,9 @@ from megatron.core.fp8 import _triton  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, signature, constexprs):
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET).asm["ptx"]
+def _compile(fn, signature, constexprs, num_warps):
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=TARGET, options={"num_warps": num_warps}).asm["ptx"]
 
 
 @pytest.mark.parametrize("fp8", ["fp8e4nv", "fp8e5"])
@@ -25,7 +26,8 @@ def test_quantize_kernel_compiles_with_exact_rounding(fp8, write_t, amax_out):
                  "margin_mult": "fp32", "WRITE_T": "constexpr", "AMAX_OUT": "constexpr", "BLOCK_M": "constexpr",
                  "BLOCK_N": "constexpr"}
     ptx = _compile(_triton._quantize_kernel, signature,
-                   {"WRITE_T": write_t, "AMAX_OUT": amax_out, "BLOCK_M": 64, "BLOCK_N": 64})
+                   {"WRITE_T": write_t, "AMAX_OUT": amax_out, "BLOCK_M": _triton._TILE_M,
+                    "BLOCK_N": _triton._TILE_N}, _triton._TILE_WARPS)
     target_type = "e4m3x2" if fp8 == "fp8e4nv" else "e5m2x2"
     assert f"cvt.rn.satfinite.{target_type}.f32" in ptx
     assert "max.NaN.f32" in ptx and "min.NaN.f32" in ptx and "div.rn.f32" in ptx
@@ -34,5 +36,6 @@ def test_quantize_kernel_compiles_with_exact_rounding(fp8, write_t, amax_out):
 @pytest.mark.parametrize("n_type", ["i32", "i64"])
 def test_amax_kernel_compiles(n_type):
     ptx = _compile(_triton._amax_kernel, {"x_ptr": "*bf16", "partials_ptr": "*fp32", "n": n_type,
-                                          "BLOCK": "constexpr"}, {"BLOCK": 4096})
+                                          "BLOCK": "constexpr"}, {"BLOCK": _triton._AMAX_BLOCK},
+                   _triton._AMAX_WARPS)
     assert "max.NaN.f32" in ptx
