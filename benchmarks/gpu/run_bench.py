@@ -261,7 +261,10 @@ def build_jobs(args):
         elif extra == "gputests":
             late.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                           "tests/unit/fusions", "tests/unit/models/test_models_gpu.py",
-                                          "tests/unit/tensor_parallel", "tests/unit/test_deferred_checks.py"], 1))
+                                          "tests/unit/test_deferred_checks.py"], 1))
+            # Own process: its CPU tests fork ranks, which autograd forbids once the parent ran CUDA backwards.
+            late.append(Job("gpu_tests_tp", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                             "tests/unit/tensor_parallel"], 1))
         elif extra in ("graphtests", "graphtests-tp", "graphtests-fp8"):  # --enable-cuda-graph against eager runs
             only = {"graphtests-tp": ["-k", "tp2"], "graphtests-fp8": ["-k", "fp8"]}.get(extra, [])
             late.append(Job("graph_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-s",
@@ -274,6 +277,9 @@ def build_jobs(args):
             late.append(Job("fp8_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                           "tests/unit/fp8"], 1))
             late.append(Job("fp8_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/fp8_bench.py")], 1))
+        elif extra == "kernels":  # fused pieces compiled with specialised vs symbolic shapes (one GPU each)
+            for script in ("ce_bench.py", "rope_bench.py"):
+                late.append(Job(script[:-3], [sys.executable, os.path.join(ROOT, "benchmarks/gpu", script)], 1))
         elif extra == "contention":  # GEMM slow-down under SP transfers, NCCL vs copy engine (2 GPUs)
             late.append(Job("tp_contention", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                               os.path.join(ROOT, "benchmarks/gpu/tp_contention_bench.py")], 2))
@@ -312,7 +318,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--yardstick", default=None, help="path of a copy of gpt_baseline.py (omit: no yardstick)")
     parser.add_argument("--configs", nargs="*", default=["gpt1.3b"])
-    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, graphtests-fp8, contention, fp8")
+    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, graphtests-fp8, contention, fp8, kernels")
     parser.add_argument("--late", nargs="*", default=[], help="configs to run after all the others")
     parser.add_argument("--profile", nargs="*", default=[], help="configs whose run also writes a profile table")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")

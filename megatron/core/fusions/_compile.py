@@ -7,6 +7,7 @@ keeps every fusion eager on CUDA too (the plain reference path for numerics comp
 """
 import logging
 import os
+import types
 
 import torch
 
@@ -18,32 +19,76 @@ def eager_fusions_requested() -> bool:
     return os.environ.get("MEGATRON_EAGER_FUSIONS", "0") == "1"
 
 
+# Argument signatures (shapes, strides, dtypes) compiled per function, each with its sizes as constants;
+# calls with further signatures run eagerly (bounded compile time for callers whose shapes keep changing,
+# e.g. text generation with growing sequences).
+_MAX_SPECIALISED = 8
+
+
+def _signature(args) -> tuple:
+    """What a specialised compilation depends on: every tensor's shape, strides, dtype and device, the
+    scalars' values, and whether autograd records."""
+    parts = [torch.is_grad_enabled()]
+    for arg in args:
+        if torch.is_tensor(arg):
+            parts.append((tuple(arg.shape), arg.stride(), arg.dtype, arg.device, arg.requires_grad))
+        else:  # scalars (eps, flags) by value; anything unhashable by its text
+            parts.append((type(arg), arg if isinstance(arg, (bool, int, float, str, type(None))) else repr(arg)))
+    return tuple(parts)
+
+
+def _fresh_copy(fn):
+    """The same function with its own code object: torch.compile keeps its compilations per code object, so
+    each copy holds exactly its own (no sharing or evicting between the specialised variants)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 class CudaCompiled:
-    """Calls `fn` eagerly on CPU and a `torch.compile`d copy of it on CUDA."""
+    """Calls `fn` eagerly on CPU and a `torch.compile`d copy of it on CUDA.
+
+    Each new argument signature (up to `_MAX_SPECIALISED`; later ones run eagerly) gets its own
+    compilation with `dynamic=False`: sizes are constants, so the kernels index without integer
+    divisions by runtime sizes. Not `dynamic=True`: on an H200 (torch 2.11, 2026-11-30) the symbolic-size
+    compilation ran the cross-entropy gradient at about half speed and RoPE at half speed, and gave a
+    wrong cross-entropy gradient (off by 1.0 at a target column against the fp32 formula) on logits
+    split into several chunks; the specialised ones matched it to bf16 rounding (docs/performance.md,
+    `benchmarks/gpu/ce_bench.py`).
+    """
 
     def __init__(self, fn):
         self.fn = fn
-        self._compiled = None
+        self._specialised = {}
         self._failed = False
-        self._proven = False
+
+    def _compiled_for(self, args):
+        """[compiled function, proven] for these arguments (proven: it has run once without failing), or None
+        once `_MAX_SPECIALISED` other signatures have their compilation (the caller runs `fn` eagerly)."""
+        key = _signature(args)
+        entry = self._specialised.get(key)
+        if entry is None and len(self._specialised) < _MAX_SPECIALISED:
+            entry = self._specialised[key] = [torch.compile(_fresh_copy(self.fn), dynamic=False), False]
+        return entry
 
     def __call__(self, *args):
         first = args[0]
         # Inside a compiled region (a compiled transformer layer) the outer compiler fuses the eager code.
         if self._failed or torch.compiler.is_compiling() or not (torch.is_tensor(first) and first.is_cuda):
             return self.fn(*args)
-        if self._compiled is None:
-            if eager_fusions_requested():
-                self._failed = True
-                return self.fn(*args)
-            self._compiled = torch.compile(self.fn, dynamic=True)
-        if self._proven:
-            return self._compiled(*args)
+        if eager_fusions_requested():
+            self._failed = True
+            return self.fn(*args)
+        entry = self._compiled_for(args)
+        if entry is None:
+            return self.fn(*args)
+        if entry[1]:
+            return entry[0](*args)
         try:
-            result = self._compiled(*args)
+            result = entry[0](*args)
         except Exception as error:  # any compiler failure: the eager function computes the same result
             logger.warning("torch.compile of %s failed (%s); using the eager version.", self.fn.__name__, error)
             self._failed = True
             return self.fn(*args)
-        self._proven = True
+        entry[1] = True
         return result

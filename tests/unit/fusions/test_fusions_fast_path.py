@@ -132,9 +132,42 @@ def test_rope_entry_point_and_cpu_fallbacks():
     calls = []
     compiled = _compile.CudaCompiled(lambda a, b: calls.append(1) or a + b)
     torch.testing.assert_close(compiled(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
-    assert calls == [1] and compiled._compiled is None  # CPU tensors never compile
+    assert calls == [1] and not compiled._specialised  # CPU tensors never compile
 
     q = torch.randn(1, 2, 4, 8)
     with sdpa_backend_priority(q):
         torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, is_causal=True),
                                    F.scaled_dot_product_attention(q, q, q, is_causal=True))
+
+
+def test_cuda_compiled_specialises_per_signature_then_runs_eagerly(monkeypatch):
+    """Each new (shape, stride, dtype, grad mode, scalar) signature gets its own compilation with constant sizes
+    (never `dynamic=True`), each on its own code object; past the cap new signatures run the eager function."""
+    made = []
+
+    def fake_compile(fn, dynamic):
+        made.append((fn, dynamic))
+        return fn
+
+    monkeypatch.setattr(_compile.torch, "compile", fake_compile)
+
+    def add(a, b):
+        return a + b
+
+    compiled = _compile.CudaCompiled(add)
+    x = torch.ones(2, 3)
+    entry = compiled._compiled_for((x, 1.0))
+    assert compiled._compiled_for((torch.zeros(2, 3), 1.0)) is entry  # same signature, other values
+    assert compiled._compiled_for((x, 2.0)) is not entry  # another scalar
+    assert compiled._compiled_for((x.t(), 1.0)) is not entry  # other strides
+    with torch.no_grad():
+        assert compiled._compiled_for((x, 1.0)) is not entry  # autograd not recording
+    for rows in range(3, 3 + _compile._MAX_SPECIALISED):
+        compiled._compiled_for((torch.ones(rows, 3), 1.0))
+    assert len(compiled._specialised) == _compile._MAX_SPECIALISED
+    assert compiled._compiled_for((torch.ones(50, 3), 1.0)) is None  # the caller runs `add` eagerly
+    assert compiled._compiled_for((x, 1.0)) is entry  # known signatures keep their compilation
+    assert [dynamic for _, dynamic in made] == [False] * _compile._MAX_SPECIALISED
+    codes = {id(fn.__code__) for fn, _ in made}
+    assert len(codes) == len(made) and id(add.__code__) not in codes
+    assert all(fn(x, 1.0).equal(add(x, 1.0)) for fn, _ in made)
