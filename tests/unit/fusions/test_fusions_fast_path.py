@@ -171,3 +171,7 @@ def test_cuda_compiled_specialises_per_signature_then_runs_eagerly(monkeypatch):
     codes = {id(fn.__code__) for fn, _ in made}
     assert len(codes) == len(made) and id(add.__code__) not in codes
     assert all(fn(x, 1.0).equal(add(x, 1.0)) for fn, _ in made)
+
+    monkeypatch.setenv("MEGATRON_EAGER_FUSIONS", "1")
+    eager = _compile.CudaCompiled(add)
+    assert eager._compiled_for((x, 1.0)) is None and eager._failed and len(made) == _compile._MAX_SPECIALISED
