@@ -217,7 +217,9 @@ class TransformerConfig(ModelParallelConfig):
     """Run multi-head-attention projections in fp8."""
 
     tp_only_amax_red: bool = False
-    """Reduce FP8 amax over the tensor-parallel group only."""
+    """Reduce FP8 amax over the tensor-parallel group only (Transformer Engine's modules; False: over tensor x
+    data parallel). The native FP8 linears (`megatron.core.fp8`) always reduce over the tensor-parallel
+    group only, for the operands split over it: each data-parallel rank scales by its own amaxes."""
 
     first_last_layers_bf16: bool = False
     """Keep the first and last layers in bf16 under FP8."""
