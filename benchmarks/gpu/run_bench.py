@@ -24,7 +24,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Where `gpt-small-text` finds its corpus (built by examples/quickstart.sh; copy it there for a GPU job).
-TEXT_DATA = os.environ.get("BENCH_TEXT_DATA", "data/quickstart")
+# Absolute (a relative BENCH_TEXT_DATA means the caller's directory; the jobs run in the repository root).
+TEXT_DATA = os.path.abspath(os.environ.get("BENCH_TEXT_DATA", os.path.join(ROOT, "data", "quickstart")))
 COMMON = (
     "--bf16 --mock-data --tokenizer-type NullTokenizer --hidden-dropout 0 --attention-dropout 0 "
     "--lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --eval-iters 0 --eval-interval 100000 --log-throughput"
