@@ -35,9 +35,13 @@ def _triton_kernels():
 def native_fp8_device(device: torch.device) -> bool:
     """Whether `device` runs FP8 GEMMs natively (CUDA, compute capability >= 8.9, `torch._scaled_mm`)."""
     device = torch.device(device)
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _native_fp8_cuda_device(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_fp8_cuda_device(device: torch.device) -> bool:
+    """`native_fp8_device` of a CUDA device, asked once per device (it is asked for every FP8 GEMM)."""
+    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
