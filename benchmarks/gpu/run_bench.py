@@ -281,6 +281,12 @@ def build_jobs(args):
         elif extra == "kernels":  # fused pieces compiled with specialised vs symbolic shapes (one GPU each)
             for script in ("ce_bench.py", "rope_bench.py"):
                 late.append(Job(script[:-3], [sys.executable, os.path.join(ROOT, "benchmarks/gpu", script)], 1))
+        elif extra == "swiglu":  # SwiGLU backward: compiled pointwise kernel vs a tiled Triton kernel
+            late.append(Job("swiglu_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/swiglu_bench.py")], 1))
+        elif extra == "adam":  # the fused AdamW step with the bf16 parameter copy: GPU test, then its timing
+            late.append(Job("adam_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                           "tests/unit/optimizer/test_fused_adamw_gpu.py"], 1))
+            late.append(Job("adam_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/adam_bench.py")], 1))
         elif extra == "contention":  # GEMM slow-down under SP transfers, NCCL vs copy engine (2 GPUs)
             late.append(Job("tp_contention", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                               os.path.join(ROOT, "benchmarks/gpu/tp_contention_bench.py")], 2))
@@ -319,7 +325,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--yardstick", default=None, help="path of a copy of gpt_baseline.py (omit: no yardstick)")
     parser.add_argument("--configs", nargs="*", default=["gpt1.3b"])
-    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, graphtests-fp8, contention, fp8, kernels")
+    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, graphtests-fp8, contention, fp8, kernels, swiglu, adam")
     parser.add_argument("--late", nargs="*", default=[], help="configs to run after all the others")
     parser.add_argument("--profile", nargs="*", default=[], help="configs whose run also writes a profile table")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")

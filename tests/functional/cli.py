@@ -108,9 +108,13 @@ def _free_port() -> int:
 
 def run_pretrain(flags: List[str], nproc: Optional[int] = None, timeout: float = 600,
                  extra_env: Optional[Dict[str, str]] = None, script: str = "pretrain_gpt.py") -> RunResult:
-    """Run the script and parse its output (never raises on a non-zero exit; check `returncode`)."""
-    proc = subprocess.run(command(flags, nproc, script), cwd=repo_root(), env=_env(extra_env),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    """Run the script and parse its output (never raises on a non-zero exit; check `returncode`). A launch
+    whose rendezvous port was taken between `_free_port` and the launcher's bind runs again on another port."""
+    for _ in range(2):
+        proc = subprocess.run(command(flags, nproc, script), cwd=repo_root(), env=_env(extra_env),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+        if nproc is None or proc.returncode == 0 or "EADDRINUSE" not in proc.stderr + proc.stdout:
+            break
     # log lines are parsed from stdout alone: another rank's warning on the shared stderr could land inside one
     result = parse_output(proc.stdout)
     result.output = proc.stdout + proc.stderr

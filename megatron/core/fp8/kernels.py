@@ -90,6 +90,37 @@ def quantize(tensor: torch.Tensor, amax_: torch.Tensor, fp8_dtype: torch.dtype, 
     return q, q_t, torch.ones_like(scale).div(scale)
 
 
+def record_amax(history: torch.Tensor, current: torch.Tensor, reference: torch.Tensor) -> None:
+    """Delayed scaling's history update, in place: the entries move one place back and `current` ([1]) enters
+    at position 0; a NaN or inf `current` is not recorded, `reference` (the amax that was used) is repeated."""
+    if history.numel() > 1:
+        history.copy_(torch.roll(history, 1))
+    history[:1].copy_(torch.where(torch.isfinite(current), current, reference))
+
+
+def quantize_delayed(tensor: torch.Tensor, history: torch.Tensor, use_max: bool, fp8_dtype: torch.dtype,
+                     margin: int = 0, transpose: bool = False, record: bool = True, amax_reduce=None
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Quantize a 2-D tensor with delayed scaling: the scale comes from `history` (fp32 [H]; its maximum with
+    `use_max`, else its first entry) and, with `record`, the tensor's own amax then enters the history
+    (`record_amax`). `amax_reduce(amax) -> amax`, when given, reduces that amax over the ranks that hold
+    shards of the tensor before it is recorded. On GPU without `amax_reduce` this is two kernels.
+    Returns (q, q^T or None, scale_inv) as `quantize` does."""
+    if tensor.dim() != 2:
+        raise ValueError(f"quantize_delayed takes a 2-D tensor, got shape {tuple(tensor.shape)}")
+    if amax_reduce is None and _use_triton(tensor) and tensor.numel() > 0 and history.is_contiguous():
+        return _triton_kernels().quantize_delayed(tensor, history, use_max, fp8_dtype, margin, transpose, record)
+    reference = history.max().reshape(1) if use_max else history[:1].clone()
+    if not record:
+        return quantize(tensor, reference, fp8_dtype, margin, transpose)
+    current = torch.zeros(1, dtype=torch.float32, device=tensor.device)
+    quantized = quantize(tensor, reference, fp8_dtype, margin, transpose, amax_out=current)
+    if amax_reduce is not None:
+        current = amax_reduce(current)
+    record_amax(history, current, reference)
+    return quantized
+
+
 _WARNED_DEVICES = set()
 
 

@@ -130,16 +130,8 @@ class TensorScaling:
                 self.amax_history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=tensor.device)
                 self.amax_history[:1].copy_(torch.where(torch.isfinite(current), current, 0.0))
             return kernels.quantize(tensor, current, self.dtype, recipe.margin, transpose)
-        reference = history.max().reshape(1) if recipe.amax_compute_algo == "max" else history[:1].clone()
-        if not record:
-            return kernels.quantize(tensor, reference, self.dtype, recipe.margin, transpose)
-        current = torch.zeros(1, dtype=torch.float32, device=tensor.device)
-        quantized = kernels.quantize(tensor, reference, self.dtype, recipe.margin, transpose, amax_out=current)
-        current = self._reduced(current)
-        if history.numel() > 1:
-            history.copy_(torch.roll(history, 1))
-        history[:1].copy_(torch.where(torch.isfinite(current), current, reference))
-        return quantized
+        return kernels.quantize_delayed(tensor, history, recipe.amax_compute_algo == "max", self.dtype, recipe.margin,
+                                        transpose, record, self._reduced if self._all_reduce is not None else None)
 
 
 class Fp8LinearState:

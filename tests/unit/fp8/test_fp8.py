@@ -53,6 +53,20 @@ def test_non_finite_and_tiny_amax_give_usable_scales_and_nan_stays_nan():
     assert scaling.amax_history.tolist() == [4.0, 4.0]  # the amax used is repeated, not inf
 
 
+def test_quantize_delayed_reduces_the_amax_before_recording_it():
+    history = torch.tensor([4.0, 1.0])
+    seen = []
+
+    def reduce(amax_):  # stands in for the all-reduce (MAX) over the ranks holding shards
+        seen.append(amax_.item())
+        return amax_ * 3
+
+    q, _, inv = kernels.quantize_delayed(torch.tensor([[2.0, -1.0]]), history, True, E4M3, amax_reduce=reduce)
+    assert seen == [2.0] and history.tolist() == [6.0, 4.0] and inv.item() == pytest.approx(4 / 448)
+    kernels.quantize_delayed(torch.tensor([[9.0]]), history, False, E4M3, record=False, amax_reduce=reduce)
+    assert seen == [2.0] and history.tolist() == [6.0, 4.0]  # without recording nothing is reduced or kept
+
+
 def test_quantize_with_an_older_amax_saturates_and_records_the_current_one():
     x = torch.tensor([[1.0, -8.0], [0.5, 2.0]])
     current = torch.zeros(1)

@@ -60,6 +60,33 @@ def test_triton_quantize_matches_the_fallback_bit_for_bit(shape, dtype, special)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("history_len,use_max", [(1, False), (4, False), (4, True), (3, True)])
+@pytest.mark.parametrize("shape", [(4096, 2048), (1000, 72), (130, 64)])
+def test_triton_delayed_scaling_matches_the_fallback(history_len, use_max, shape):
+    """Delayed scaling's two-kernel GPU path (scale read from the history, history updated by one program)
+    against the PyTorch steps on the CPU: the same FP8 bytes, scales and histories over calls with and
+    without recording, a NaN and an inf amax (neither recorded) included."""
+    _needs_fp8_gpu()
+    generator = torch.Generator(device="cuda").manual_seed(history_len)
+    history = torch.tensor([2.0, 5.0, 1.0, 0.5][:history_len], device="cuda")
+    reference_history = history.cpu()
+    for step, (special, record) in enumerate([(None, True), ("nan", True), (None, False), ("inf", True),
+                                              (None, True), (None, True)]):
+        x = torch.randn(shape, device="cuda", generator=generator) * (step + 1)
+        if special:
+            x[0, 1] = float(special)
+        x = x.to(torch.bfloat16)
+        for dtype in (E4M3, E5M2):
+            got = kernels.quantize_delayed(x, history, use_max, dtype, 1, True, record and dtype is E5M2)
+            want = kernels.quantize_delayed(x.cpu(), reference_history, use_max, dtype, 1, True,
+                                            record and dtype is E5M2)
+            assert torch.equal(got[2].cpu(), want[2]), (step, got[2], want[2])
+            problems = [_mismatch("q", got[0], want[0]), _mismatch("q^T", got[1], want[1])]
+            assert not any(problems), f"step {step}: " + "; ".join(p for p in problems if p)
+        assert torch.equal(history.cpu(), reference_history), (step, history, reference_history)
+
+
+@pytest.mark.gpu
 def test_native_scaled_mm_matches_the_emulation():
     _needs_fp8_gpu()
     generator = torch.Generator(device="cuda").manual_seed(0)
