@@ -76,7 +76,10 @@ def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=Non
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of per-rank results."""
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     _refuse_inherited_process_group()
-    start_method = start_method or os.environ.get("MEGATRON_TEST_START_METHOD", "fork")
+    # On a machine with a GPU, forked ranks fail as soon as they touch CUDA (the RNG tracker does) or run
+    # autograd once this process has used CUDA, which earlier tests in the same process may have done.
+    default_method = "spawn" if _cuda_present() else "fork"
+    start_method = start_method or os.environ.get("MEGATRON_TEST_START_METHOD", default_method)
     ctx = mp.get_context(start_method)
     env = dict(env or {})
     with tempfile.TemporaryDirectory(prefix="megatron_ranks_") as tmp:
@@ -108,6 +111,12 @@ def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=Non
                 f"ranks {missing} of {fn.__name__} did not finish within {timeout:.0f}s (or died):\n{stacks}"
             )
         return [results[r] for r in range(world_size)]
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _refuse_inherited_process_group():

@@ -106,7 +106,8 @@ TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 LOSS_RE = re.compile(r"lm loss: ([0-9.E+-]+)")
 MEM_RE = re.compile(r"max allocated: ([0-9.]+)")
-_PORTS = itertools.count(29511)
+# torchrun rendezvous ports; BENCH_PORT_BASE keeps two run_bench processes on one machine apart
+_PORTS = itertools.count(int(os.environ.get("BENCH_PORT_BASE", "29511")))
 KEEP_RE = re.compile(r"iteration|memory|Error|error|Traceback|warn|File \"|TFLOP|compile", re.IGNORECASE)
 
 
@@ -281,8 +282,9 @@ def build_jobs(args):
         elif extra == "kernels":  # fused pieces compiled with specialised vs symbolic shapes (one GPU each)
             for script in ("ce_bench.py", "rope_bench.py"):
                 late.append(Job(script[:-3], [sys.executable, os.path.join(ROOT, "benchmarks/gpu", script)], 1))
-        elif extra == "swiglu":  # SwiGLU backward: compiled pointwise kernel vs a tiled Triton kernel
-            late.append(Job("swiglu_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/swiglu_bench.py")], 1))
+        elif extra == "activations":  # SwiGLU backward (compiled vs Triton), bias-GELU with tanh vs sigmoid
+            late.append(Job("activation_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/activation_bench.py")],
+                            1))
         elif extra == "adam":  # the fused AdamW step with the bf16 parameter copy: GPU test, then its timing
             late.append(Job("adam_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                            "tests/unit/optimizer/test_fused_adamw_gpu.py"], 1))
@@ -325,13 +327,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--yardstick", default=None, help="path of a copy of gpt_baseline.py (omit: no yardstick)")
     parser.add_argument("--configs", nargs="*", default=["gpt1.3b"])
-    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, graphtests-fp8, contention, fp8, kernels, swiglu, adam")
+    parser.add_argument("--extra-jobs", nargs="*", default=[], help="attn, gputests, gputests2, graphtests, graphtests-tp, graphtests-fp8, contention, fp8, kernels, activations, adam")
     parser.add_argument("--late", nargs="*", default=[], help="configs to run after all the others")
     parser.add_argument("--profile", nargs="*", default=[], help="configs whose run also writes a profile table")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     parser.add_argument("--budget-s", type=float, default=540, help="kill what still runs after this long")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)  # before any job runs: the results must have somewhere to go
     if args.gpus is None:
         args.gpus = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
                                        capture_output=True, text=True).stdout.strip() or 1)

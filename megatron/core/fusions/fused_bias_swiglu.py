@@ -2,7 +2,8 @@
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions._compile import CudaCompiled
+from megatron.core.fusions import _triton_swiglu
+from megatron.core.fusions._compile import CudaCompiled, eager_fusions_requested
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
@@ -30,6 +31,26 @@ _swiglu = CudaCompiled(swiglu)
 _swiglu_back = CudaCompiled(swiglu_back)
 
 
+@torch.library.custom_op("megatron_core::swiglu_back", mutates_args=())
+def swiglu_back_triton(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`swiglu_back` as one Triton kernel (`_triton_swiglu`): a custom op, so that a compiled layer calls it as
+    one opaque step instead of generating its own, slower pointwise kernel."""
+    return _triton_swiglu.swiglu_back(g, y)
+
+
+@swiglu_back_triton.register_fake
+def _swiglu_back_triton_fake(g, y):
+    return torch.empty_like(y)
+
+
+def _swiglu_backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel where it applies (CUDA, contiguous; not under `MEGATRON_EAGER_FUSIONS=1`), else the
+    compiled (CUDA) or eager (CPU) `swiglu_back`."""
+    if _triton_swiglu.usable(g, y) and not eager_fusions_requested():
+        return swiglu_back_triton(g, y)
+    return _swiglu_back(g, y)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """SwiGLU saving only its input for backward."""
 
@@ -41,7 +62,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (input,) = ctx.saved_tensors
-        return _swiglu_back(grad_output, input)
+        return _swiglu_backward(grad_output, input)
 
 
 def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False, cpu_offload_input: bool = False):

@@ -310,6 +310,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 main_data.append(main_param.data)
         return model_data, main_data
 
+    def _get_main_params_and_model_data_float16(self):
+        main_params, model_data = [], []
+        for model_group, main_group in zip(self.shard_float16_groups, self.shard_fp32_from_float16_groups):
+            main_params.extend(main_group)
+            model_data.extend(model_param.data for model_param in model_group)
+        return main_params, model_data
+
     def _copy_model_grads_to_main_grads(self):
         """Point every main shard's .grad at its (reduce-scattered) piece of DDP's main_grad, in fp32."""
         for model_group, main_group in itertools.chain(

@@ -4,7 +4,8 @@
   `zero_grad`, loss scaling, grad-norm clipping, checkpoint state).
 - `MixedPrecisionOptimizer`: the step of a model whose params are not the ones the torch optimizer
   updates (fp32 main params): copy grads to main grads, unscale and check for inf/nan, clip, step,
-  copy main params back. `DistributedOptimizer` (in `distrib_optimizer.py`) subclasses it.
+  copy main params back (a fused torch AdamW on CUDA writes the large model params in its step:
+  `fused_adamw.py`). `DistributedOptimizer` (in `distrib_optimizer.py`) subclasses it.
 - `Float16OptimizerWithFloat16Params`: fp16/bf16 model params with fp32 main copies.
 - `FP32Optimizer`: fp32 params, stepped in place.
 - `ChainedOptimizer` (`chained_optimizer.py`, importable from here too): several optimizers (e.g. dense
@@ -16,12 +17,13 @@ buffer), else from `param.grad`.
 import logging
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.optimizer import fused_adamw
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32_tensor,
@@ -69,10 +71,19 @@ def _zero_grad_group_helper(group: List[torch.Tensor], set_to_none: bool) -> Non
         param.grad.zero_()
 
 
-def _inner_step(optimizer) -> None:
-    """`optimizer.step()`, then drop a clip coefficient handed to it (`defer_clip_to_fused_adam`)."""
+def _inner_step(optimizer, main_params: Sequence[torch.Tensor] = (),
+                model_params: Sequence[torch.Tensor] = ()) -> List[torch.Tensor]:
+    """`optimizer.step()`, then drop a clip coefficient handed to it (`defer_clip_to_fused_adam`).
+
+    With `main_params` / `model_params` (fp32 params of the optimizer, their fp16/bf16 model copies) a fused
+    torch AdamW on CUDA is stepped by `fused_adamw.step_with_model_copy`, which also writes the model copies
+    of the large params; returns the main params whose copy is written (none otherwise)."""
     try:
-        optimizer.step()
+        written = fused_adamw.step_with_model_copy(optimizer, main_params, model_params) if main_params else None
+        if written is None:
+            optimizer.step()
+            return []
+        return written
     finally:
         optimizer.__dict__.pop("grad_scale", None)
 
@@ -379,6 +390,11 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def _copy_model_params_to_main_params(self) -> None:
         """Refresh main params from the model params."""
 
+    def _get_main_params_and_model_data_float16(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(the optimizer's fp32 main params, the fp16/bf16 model tensors `_copy_main_params_to_model_params`
+        writes from them); empty here: subclasses that list them let the inner step write the model copies."""
+        return [], []
+
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
         """Multiply main grads by 1/scale and report whether any rank of the group saw inf/nan."""
         main_grads = self._collect_main_grad_data_for_unscaling()
@@ -405,12 +421,19 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        """Inner optimizer step, then copy main params into the model params."""
+        """Inner optimizer step, then copy main params into the model params (those the fused AdamW step
+        already wrote are skipped: `fused_adamw`)."""
+        written = []
         with _timed(self.config, "optimizer-inner-step"):
             if not self.is_stub_optimizer:
-                _inner_step(self.optimizer)
+                main_params, model_data = self._get_main_params_and_model_data_float16()
+                written = _inner_step(self.optimizer, main_params, model_data)
         with _timed(self.config, "optimizer-copy-main-to-model-params"):
-            if not self.is_stub_optimizer:
+            if written:
+                done = {id(param) for param in written}
+                rest = [(main, model) for main, model in zip(main_params, model_data) if id(main) not in done]
+                _multi_tensor_copy_this_to_that(this=[main.data for main, _ in rest], that=[model for _, model in rest])
+            elif not self.is_stub_optimizer:
                 self._copy_main_params_to_model_params()
         return True
 
@@ -499,6 +522,13 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                 model_data.append(model_param.data)
                 main_data.append(main_param.data)
         return model_data, main_data
+
+    def _get_main_params_and_model_data_float16(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        main_params, model_data = [], []
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            main_params.extend(main_group)
+            model_data.extend(model_param.data for model_param in model_group)
+        return main_params, model_data
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):

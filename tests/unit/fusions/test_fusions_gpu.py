@@ -63,14 +63,44 @@ def test_cuda_compiled_bda_rope_and_sdpa_order():
 
 
 @pytest.mark.gpu
-def test_cuda_compiled_layers_match_eager_model(monkeypatch):
+@pytest.mark.parametrize("shape", [(64, 4, 5632), (3, 1500), (7, 24)])
+def test_triton_swiglu_backward_against_the_formula(shape):
+    """The Triton SwiGLU backward against the fp32 formula and the compiled kernel it replaces (both compute in
+    fp32 and round once: they may differ by one bf16 rounding step), and the fallbacks for operands it does
+    not take."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    from megatron.core.fusions import _triton_swiglu, fused_bias_swiglu
+
+    generator = torch.Generator(device="cuda").manual_seed(shape[-1])
+    y = torch.randn(*shape[:-1], 2 * shape[-1], device="cuda", generator=generator).to(torch.bfloat16)
+    g = torch.randn(*shape, device="cuda", generator=generator).to(torch.bfloat16)
+    assert _triton_swiglu.usable(g, y)
+    fast = fused_bias_swiglu.swiglu_back_triton(g, y)
+    reference = fused_bias_swiglu.swiglu_back(g.float(), y.float())
+    torch.testing.assert_close(fast.float(), reference, rtol=8e-3, atol=1e-2)
+    compiled = fused_bias_swiglu._swiglu_back(g, y)
+    ulp = reference.abs().clamp_min(1e-3) * 2 ** -7
+    assert ((fast.float() - compiled.float()).abs() <= ulp).all()
+    assert not _triton_swiglu.usable(g.float(), y)  # mixed dtypes
+    assert not _triton_swiglu.usable(g, torch.cat([y, y], -1)[..., : y.shape[-1]])  # not contiguous
+    y.requires_grad_(True)
+    fused_bias_swiglu.bias_swiglu_impl(y, None).backward(g)
+    assert torch.equal(y.grad, fast)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("glu", [False, True], ids=["gelu", "swiglu"])
+def test_cuda_compiled_layers_match_eager_model(monkeypatch, glu):
     init_single_rank()
     results = []
     for mode in ("0", "1"):
         monkeypatch.setenv("MEGATRON_COMPILE_LAYERS", mode)
         seed_all(7)
+        activation = dict(gated_linear_unit=True, activation_func=F.silu) if glu else {}
         config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, hidden_dropout=0.0,
-                                   attention_dropout=0.0, bias_activation_fusion=True)
+                                   attention_dropout=0.0, bias_activation_fusion=True, **activation)
         model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=512, max_sequence_length=64).cuda()
         assert all(getattr(layer, "is_compiled", False) == (mode == "1") for layer in model.decoder.layers)
         generator = torch.Generator().manual_seed(0)

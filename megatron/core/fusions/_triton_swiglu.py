@@ -1,0 +1,51 @@
+"""Triton kernel behind `fused_bias_swiglu`'s backward on CUDA: the gradient of silu(gate) * up.
+
+`torch.compile` turns the backward into one pointwise kernel over the concatenated [d gate, d up], in which
+the threads of each half load both gate and up; on an H200 at the Llama-1B shape ([16384, 2 x 5632], bf16)
+it moved 3.0 TB/s. Here each program reads a tile of gate, the matching tile of up and of the incoming
+gradient once and writes both gradient tiles: 4.0 TB/s, a bf16 copy of the same bytes 4.2
+(`benchmarks/gpu/swiglu_bench.py`, docs/performance.md). Arithmetic in fp32, one rounding at the end, as
+the compiled kernel does.
+
+Defined only where Triton is installed, so importing this module never fails (CPU CI imports every module).
+"""
+import torch
+
+from megatron.core.utils import module_available
+
+_BLOCK, _WARPS = 1024, 4  # measured: 512-2048 columns and 4 or 8 warps within 1%
+_HAVE_TRITON = module_available("triton")  # asked once: `usable` runs inside compiled layers
+
+if _HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _swiglu_back_kernel(g_ptr, y_ptr, out_ptr, ffn, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # int64: rows * 2 * ffn may pass 2**31
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < ffn
+        gate = tl.load(y_ptr + row * 2 * ffn + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(y_ptr + row * 2 * ffn + ffn + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * ffn + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        d_gate = g * up * (sig * (1 + gate * (1 - sig)))
+        d_up = g * (gate * sig)
+        tl.store(out_ptr + row * 2 * ffn + cols, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * 2 * ffn + ffn + cols, d_up.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def usable(g: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands: contiguous CUDA tensors of one floating dtype, y [..., 2f] and
+    g [..., f] with the same leading dimensions."""
+    return (_HAVE_TRITON and g.is_cuda and y.is_cuda and g.dtype == y.dtype
+            and g.dtype in (torch.bfloat16, torch.float16, torch.float32) and g.is_contiguous() and y.is_contiguous()
+            and y.dim() >= 1 and y.shape[:-1] == g.shape[:-1] and y.shape[-1] == 2 * g.shape[-1] and g.numel() > 0)
+
+
+def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[d gate, d up] (shaped like y) for y = [gate, up] and the gradient g of silu(gate) * up; `usable` first."""
+    ffn = g.shape[-1]
+    out = torch.empty_like(y)
+    _swiglu_back_kernel[(g.numel() // ffn, triton.cdiv(ffn, _BLOCK))](g, y, out, ffn, BLOCK=_BLOCK, num_warps=_WARPS)
+    return out
