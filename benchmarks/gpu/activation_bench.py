@@ -16,8 +16,6 @@ import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -38,29 +36,6 @@ def tanh_gelu_back(g, bias, y):
     tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
     ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
     return ff * g
-
-
-@triton.jit
-def _swiglu_back_tiles(g_ptr, y_ptr, out_ptr, ffn, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < ffn
-    gate = tl.load(y_ptr + row * 2 * ffn + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(y_ptr + row * 2 * ffn + ffn + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * ffn + cols, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    d_gate = g * up * (sig * (1 + gate * (1 - sig)))
-    d_up = g * (gate * sig)
-    tl.store(out_ptr + row * 2 * ffn + cols, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + row * 2 * ffn + ffn + cols, d_up.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def triton_back(g, y, block, warps):
-    ffn = g.shape[-1]
-    rows = g.numel() // ffn
-    out = torch.empty_like(y)
-    _swiglu_back_tiles[(rows, triton.cdiv(ffn, block))](g, y, out, ffn, BLOCK=block, num_warps=warps)
-    return out
 
 
 def report(name, fn, traffic, reference):
@@ -86,7 +61,8 @@ def swiglu_variants():
     report("swiglu back: torch.compile", lambda: compiled(g, y), traffic, reference)
     report("swiglu back: product (_triton_swiglu)", lambda: _triton_swiglu.swiglu_back(g, y), traffic, reference)
     for block, warps in ((2048, 8), (512, 4)):
-        report(f"swiglu back: triton tiles {block}/{warps}w", lambda: triton_back(g, y, block, warps), traffic, reference)
+        report(f"swiglu back: Triton, {block} columns / {warps} warps",
+               lambda: _triton_swiglu.swiglu_back(g, y, block, warps), traffic, reference)
     report("swiglu back: bf16 copy of the same bytes", copy_of(traffic), traffic, None)
 
 

@@ -123,7 +123,11 @@ class Job:
     def launch(self, devices, log_dir):
         self.devices = devices
         self.log_path = os.path.join(log_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", self.name) + ".log")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES=",".join(str(d) for d in devices))
+        # job device i is the i-th device this process sees: a CUDA_VISIBLE_DEVICES given to run_bench (two
+        # run_bench processes side by side, one per GPU) is honoured, not replaced
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        names = [visible[d] if d < len(visible) else str(d) for d in devices]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES=",".join(names))
         env.update(self.env)
         self.start = time.time()
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=open(self.log_path, "w"),

@@ -4,7 +4,7 @@
 the threads of each half load both gate and up; on an H200 at the Llama-1B shape ([16384, 2 x 5632], bf16)
 it moved 3.0 TB/s. Here each program reads a tile of gate, the matching tile of up and of the incoming
 gradient once and writes both gradient tiles: 4.0 TB/s, a bf16 copy of the same bytes 4.2
-(`benchmarks/gpu/swiglu_bench.py`, docs/performance.md). Arithmetic in fp32, one rounding at the end, as
+(`benchmarks/gpu/activation_bench.py`, docs/performance.md). Arithmetic in fp32, one rounding at the end, as
 the compiled kernel does.
 
 Defined only where Triton is installed, so importing this module never fails (CPU CI imports every module).
@@ -43,9 +43,10 @@ def usable(g: torch.Tensor, y: torch.Tensor) -> bool:
             and y.dim() >= 1 and y.shape[:-1] == g.shape[:-1] and y.shape[-1] == 2 * g.shape[-1] and g.numel() > 0)
 
 
-def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """[d gate, d up] (shaped like y) for y = [gate, up] and the gradient g of silu(gate) * up; `usable` first."""
+def swiglu_back(g: torch.Tensor, y: torch.Tensor, block: int = _BLOCK, num_warps: int = _WARPS) -> torch.Tensor:
+    """[d gate, d up] (shaped like y) for y = [gate, up] and the gradient g of silu(gate) * up; `usable` first.
+    `block` columns per program (a power of two) and `num_warps`: launch settings (the benchmark varies them)."""
     ffn = g.shape[-1]
     out = torch.empty_like(y)
-    _swiglu_back_kernel[(g.numel() // ffn, triton.cdiv(ffn, _BLOCK))](g, y, out, ffn, BLOCK=_BLOCK, num_warps=_WARPS)
+    _swiglu_back_kernel[(g.numel() // ffn, triton.cdiv(ffn, block))](g, y, out, ffn, BLOCK=block, num_warps=num_warps)
     return out

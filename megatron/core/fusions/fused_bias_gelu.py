@@ -6,8 +6,9 @@ from megatron.core.fusions._compile import CudaCompiled
 
 # gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), written as x * sigmoid(2u) (the same
 # function: 1 + tanh(u) = 2 sigmoid(2u)). Compiled, tanh becomes a long libdevice routine that made the GELU
-# kernels compute-bound on an H200 (forward 2.6 TB/s, backward 3.2 at GPT-1.3B's fc1 output); sigmoid is an
-# exponential and a division (benchmarks/gpu/swiglu_bench.py, docs/performance.md).
+# kernels compute-bound on an H200 (at GPT-1.3B's fc1 output: forward 3.0 TB/s, backward 3.8; 2.6 and 3.2
+# inside the compiled layers); with sigmoid, an exponential and a division, 3.8 and 4.2
+# (benchmarks/gpu/activation_bench.py, docs/performance.md).
 _TWO_SQRT_2_OVER_PI = 1.5957691216057308
 _Z_CUBIC = 0.07135481627260025  # 0.044715 * 2 sqrt(2/pi): z = 2u = x (1.5957... + 0.0713... x^2)
 _DZ_SQUARE = 0.21406444881780073  # 3 * 0.044715 * 2 sqrt(2/pi): dz/dx = 1.5957... + 0.2140... x^2
