@@ -68,55 +68,60 @@ class DeferredChecks:
         entries, self._pending = self._pending, []
         if not entries:
             return
-        failed = self._failed_flags(entries)
+        failed, order = self._failed_flags(entries)
         if failed.is_cuda:
             host = torch.empty(failed.shape, dtype=failed.dtype, pin_memory=True)
             host.copy_(failed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._in_flight = (event, host, entries)
+            self._in_flight = (event, host, entries, order)
         else:
-            self._in_flight = (None, failed, entries)
+            self._in_flight = (None, failed, entries, order)
 
     def flush(self) -> None:
         """Evaluate every queued check now (one synchronisation); raise RuntimeError for the first failure."""
         self._resolve_in_flight()
         entries, self._pending = self._pending, []
         if entries:
-            self._raise_first(self._failed_flags(entries).cpu(), entries)
+            failed, order = self._failed_flags(entries)
+            self._raise_first(failed.cpu(), order, entries)
 
     def _resolve_in_flight(self) -> None:
         if self._in_flight is None:
             return
-        (event, host, entries), self._in_flight = self._in_flight, None
+        (event, host, entries, order), self._in_flight = self._in_flight, None
         if event is not None:
             event.synchronize()
-        self._raise_first(host, entries)
+        self._raise_first(host, order, entries)
 
     @staticmethod
-    def _raise_first(failed: torch.Tensor, entries) -> None:
+    def _raise_first(failed: torch.Tensor, order: List[int], entries) -> None:
+        """Raise the message of the earliest queued entry whose flag is set (`failed[j]` is entry `order[j]`'s)."""
         if bool(failed.any()):
-            first = int(torch.nonzero(failed)[0, 0])
+            first = min(order[j] for j in torch.nonzero(failed).reshape(-1).tolist())
             raise RuntimeError(entries[first][2]())
 
     @staticmethod
-    def _failed_flags(entries) -> torch.Tensor:
-        """[len(entries)] bool on the entries' device: True where the check fails (predicates grouped)."""
+    def _failed_flags(entries) -> Tuple[torch.Tensor, List[int]]:
+        """(flags [len(entries)] bool on the entries' device, True where a check fails, in predicate-group order;
+        the entry index of each flag). Grouped and concatenated on the device: scattering the flags back into
+        queue order would index with a host list, whose copy from pageable memory stalls the host until the
+        GPU has drained (once per group per iteration: GPU idle at every iteration start)."""
         groups: Dict[Optional[Callable], List[int]] = {}
         for index, (_, predicate, _) in enumerate(entries):
             groups.setdefault(predicate, []).append(index)
-        failed = torch.zeros(len(entries), dtype=torch.bool, device=entries[0][0].device)
+        flags_per_group, order = [], []
         for predicate, indices in groups.items():
             values = [entries[i][0] for i in indices]
             sizes = [v.numel() for v in values]
             joined = torch.cat(values)  # k x [n_i] -> [sum n_i]
             flags = joined.bool() if predicate is None else predicate(joined)
             if all(size == 1 for size in sizes):
-                per_check = flags
+                flags_per_group.append(flags)
             else:
-                per_check = torch.stack([chunk.any() for chunk in torch.split(flags, sizes)])  # k x [] -> [k]
-            failed[indices] = per_check
-        return failed
+                flags_per_group.append(torch.stack([chunk.any() for chunk in torch.split(flags, sizes)]))  # [k]
+            order.extend(indices)
+        return torch.cat(flags_per_group), order  # groups x [k_g] -> [len(entries)]
 
 
 _DEFERRED_CHECKS = DeferredChecks()

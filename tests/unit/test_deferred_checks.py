@@ -49,7 +49,12 @@ def test_cuda_verdicts_travel_through_pinned_memory_and_an_event():
     assert queue.should_defer(loss) and not queue.should_defer(torch.tensor(1.0))
     queue.add(torch.ones(3, device="cuda"), lambda: "fine", predicate=not_finite)
     queue.add(loss, lambda: "cuda nan", predicate=torch.isnan)
-    queue.step()  # evaluation launched, nothing read yet
-    assert queue.pending() == 2
+    queue.add(torch.zeros(2, device="cuda"), lambda: "flag set")  # a third predicate group
+    torch.cuda.set_sync_debug_mode("error")  # launching the evaluation must not wait for the GPU
+    try:
+        queue.step()  # evaluation launched, nothing read yet
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert queue.pending() == 3
     with pytest.raises(RuntimeError, match="cuda nan"):
         queue.step()
