@@ -290,7 +290,7 @@ def build_jobs(args):
             late.append(Job("activation_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/activation_bench.py")],
                             1))
         elif extra == "adam":  # the fused AdamW step with the bf16 parameter copy: GPU test, then its timing
-            late.append(Job("adam_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            late.append(Job("adam_tests", [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                                            "tests/unit/optimizer/test_fused_adamw_gpu.py"], 1))
             late.append(Job("adam_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/adam_bench.py")], 1))
         elif extra == "contention":  # GEMM slow-down under SP transfers, NCCL vs copy engine (2 GPUs)
