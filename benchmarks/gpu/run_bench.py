@@ -287,8 +287,8 @@ def build_jobs(args):
             for script in ("ce_bench.py", "rope_bench.py"):
                 late.append(Job(script[:-3], [sys.executable, os.path.join(ROOT, "benchmarks/gpu", script)], 1))
         elif extra == "activations":  # SwiGLU backward (compiled vs Triton), bias-GELU with tanh vs sigmoid
-            late.append(Job("activation_bench", [sys.executable, os.path.join(ROOT, "benchmarks/gpu/activation_bench.py")],
-                            1))
+            script = os.path.join(ROOT, "benchmarks/gpu/activation_bench.py")
+            late.append(Job("activation_bench", [sys.executable, script], 1))
         elif extra == "adam":  # the fused AdamW step with the bf16 parameter copy: GPU test, then its timing
             late.append(Job("adam_tests", [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                                            "tests/unit/optimizer/test_fused_adamw_gpu.py"], 1))
