@@ -202,30 +202,3 @@ def step_with_model_copy(optimizer: Any, main_params: Sequence[torch.Tensor],
         _kernel_step(optimizer, group, kernel, [model_of[id(param)] for param in kernel])
         written.extend(kernel)
     return written
-
-
-def adamw_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         step: torch.Tensor, *, lr: float, beta1: float, beta2: float, weight_decay: float,
-                         eps: float, grad_scale: Optional[torch.Tensor] = None,
-                         found_inf: Optional[torch.Tensor] = None) -> None:
-    """The kernel's arithmetic (`fp64_math=True`) in PyTorch ops, in place on fp32 tensors of any device: the
-    executable specification the tests hold the kernel and torch's AdamW to. `step` is already incremented.
-    Where torch's CUDA kernel computes in fp64 this does too; fp32 square roots go through fp64 because
-    PyTorch's CPU fp32 `sqrt` is not exactly rounded (CUDA's and the kernel's are)."""
-    if found_inf is not None and bool(found_inf.reshape(()) == 1):
-        return  # torch's kernel skips the whole update (its grad write-back too)
-    if grad_scale is not None:
-        grad.div_(grad_scale.reshape(()).to(grad.device))
-    if weight_decay != 0:
-        param64 = param.double()
-        param.copy_(param64 - (lr * weight_decay) * param64)
-    grad64 = grad.double()
-    exp_avg.copy_(beta1 * exp_avg.double() + (1 - beta1) * grad64)
-    exp_avg_sq.copy_(beta2 * exp_avg_sq.double() + (1 - beta2) * grad64 * grad64)
-    step64 = step.double().reshape(())
-    bias_correction1 = (1 - torch.exp2(step64 * torch.log2(torch.tensor(beta1, dtype=torch.float64)))).float()
-    bias_correction2_sqrt = torch.sqrt(1 - torch.exp2(step64 * torch.log2(torch.tensor(beta2, dtype=torch.float64))))
-    step_size = (lr / bias_correction1.double()).float().to(param.device)
-    root = exp_avg_sq.double().sqrt().float() / bias_correction2_sqrt.float().to(param.device)
-    denom = (root.double() + eps).float()
-    param.sub_(step_size * exp_avg / denom)

@@ -1,8 +1,9 @@
 """The AdamW step fused with the model-param copy (`megatron.core.optimizer.fused_adamw`), on CPU.
 
 - The kernel's arithmetic (`adamw_step_reference`) against torch.optim.AdamW over several steps with two
-  weight-decay groups, a grad scale and a changing lr. On CPU torch computes the moments in fp32, its CUDA
-  kernel (which the reference follows) in fp64, so they agree within a few ulps of each tensor's magnitude.
+  weight-decay groups, a grad scale and a changing lr. On CPU torch computes the moments in fp32, the
+  reference in fp64 (as torch's CUDA source of 2023 reads; torch 2.11's CUDA kernel rounds otherwise, see
+  test_fused_adamw_gpu.py), so they agree within a few ulps of each tensor's magnitude.
 - The dispatch: which optimizers and params take the fused path; everything else is today's step.
 - The orchestration (state creation, step counters, grad_scale / found_inf, which model params are written,
   the copy of the others) through the real Float16OptimizerWithFloat16Params and DistributedOptimizer, with
@@ -15,6 +16,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -25,6 +27,33 @@ from megatron.core.optimizer import Float16OptimizerWithFloat16Params, Optimizer
 from tests.harness import run_on_ranks
 from tests.unit.distributed import dp_toy
 from tests.unit.optimizer.test_optimizer_syncfree import _no_host_reads
+
+
+def adamw_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: torch.Tensor, *, lr: float, beta1: float, beta2: float, weight_decay: float,
+                         eps: float, grad_scale: Optional[torch.Tensor] = None,
+                         found_inf: Optional[torch.Tensor] = None) -> None:
+    """The kernel's arithmetic (`fp64_math=True`) in PyTorch ops, in place on fp32 tensors of any device: the
+    executable specification the tests hold the kernel and torch's AdamW to. `step` is already incremented.
+    Where torch's CUDA kernel computes in fp64 this does too; fp32 square roots go through fp64 because
+    PyTorch's CPU fp32 `sqrt` is not exactly rounded (CUDA's and the kernel's are)."""
+    if found_inf is not None and bool(found_inf.reshape(()) == 1):
+        return  # torch's kernel skips the whole update (its grad write-back too)
+    if grad_scale is not None:
+        grad.div_(grad_scale.reshape(()).to(grad.device))
+    if weight_decay != 0:
+        param64 = param.double()
+        param.copy_(param64 - (lr * weight_decay) * param64)
+    grad64 = grad.double()
+    exp_avg.copy_(beta1 * exp_avg.double() + (1 - beta1) * grad64)
+    exp_avg_sq.copy_(beta2 * exp_avg_sq.double() + (1 - beta2) * grad64 * grad64)
+    step64 = step.double().reshape(())
+    bias_correction1 = (1 - torch.exp2(step64 * torch.log2(torch.tensor(beta1, dtype=torch.float64)))).float()
+    bias_correction2_sqrt = torch.sqrt(1 - torch.exp2(step64 * torch.log2(torch.tensor(beta2, dtype=torch.float64))))
+    step_size = (lr / bias_correction1.double()).float().to(param.device)
+    root = exp_avg_sq.double().sqrt().float() / bias_correction2_sqrt.float().to(param.device)
+    denom = (root.double() + eps).float()
+    param.sub_(step_size * exp_avg / denom)
 
 HYPER = dict(beta1=0.9, beta2=0.95, eps=1e-8)
 SMALL_MIN_NUMEL = 256
@@ -88,7 +117,7 @@ def test_reference_arithmetic_matches_torch_adamw():
         opt.__dict__.pop("grad_scale", None)
         for index, (param, grad, state, decay) in enumerate(zip(mine, grads, states, decays)):
             state["step"] += 1
-            fused_adamw.adamw_step_reference(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=lr,
+            adamw_step_reference(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=lr,
                                              weight_decay=decay, grad_scale=grad_scale, **HYPER)
             assert torch.equal(grad, params[index].grad)  # unscaled and written back as torch does
     for param, ref, state in zip(params, mine, states):
@@ -405,7 +434,7 @@ def test_interpreted_kernel_is_the_reference(interpreted, numel, model_dtype):
         model_param = torch.empty(numel, dtype=model_dtype)
         interpreted.adamw_step(param, grad, exp_avg, exp_avg_sq, model_param, step, lr=3e-4, weight_decay=weight_decay,
                                grad_scale=grad_scale, block=512, blocks_per_program=2, **HYPER)
-        fused_adamw.adamw_step_reference(*expected, step, lr=3e-4, weight_decay=weight_decay, grad_scale=grad_scale,
+        adamw_step_reference(*expected, step, lr=3e-4, weight_decay=weight_decay, grad_scale=grad_scale,
                                          **HYPER)
         for actual, wanted in zip((param, grad, exp_avg, exp_avg_sq), expected):
             assert torch.equal(actual, wanted)
