@@ -302,14 +302,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _collect_main_grad_data_for_unscaling(self) -> List[torch.Tensor]:
         return [param.grad.data for group in self.optimizer.param_groups for param in group["params"] if param.grad is not None]
 
-    def _get_model_and_main_params_data_float16(self):
-        model_data, main_data = [], []
-        for model_group, main_group in zip(self.shard_float16_groups, self.shard_fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                model_data.append(model_param.data)
-                main_data.append(main_param.data)
-        return model_data, main_data
-
     def _get_main_params_and_model_data_float16(self):
         main_params, model_data = [], []
         for model_group, main_group in zip(self.shard_float16_groups, self.shard_fp32_from_float16_groups):

@@ -395,6 +395,11 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         writes from them); empty here: subclasses that list them let the inner step write the model copies."""
         return [], []
 
+    def _get_model_and_main_params_data_float16(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(fp16/bf16 model tensors, their fp32 main tensors), pairwise: what the param copies read and write."""
+        main_params, model_data = self._get_main_params_and_model_data_float16()
+        return model_data, [main_param.data for main_param in main_params]
+
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
         """Multiply main grads by 1/scale and report whether any rank of the group saw inf/nan."""
         main_grads = self._collect_main_grad_data_for_unscaling()
@@ -514,14 +519,6 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             for group in groups:
                 grads.extend(param.grad.data for param in group if param.grad is not None)
         return grads
-
-    def _get_model_and_main_params_data_float16(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        model_data, main_data = [], []
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                model_data.append(model_param.data)
-                main_data.append(main_param.data)
-        return model_data, main_data
 
     def _get_main_params_and_model_data_float16(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         main_params, model_data = [], []
