@@ -7,9 +7,14 @@ raises, every rank's traceback is put into one AssertionError. If the ranks do n
 `timeout` seconds, they are killed and the stacks of the stuck ranks (dumped by faulthandler just
 before the deadline) are reported.
 
+The ranks never see a GPU (`CUDA_VISIBLE_DEVICES` is empty for them unless `env` sets it): they are the
+CPU runs that CI makes, also on a machine with GPUs, where the device RNG tracker would otherwise track the
+CUDA generator while the tensors of the test live on the CPU.
+
 `fn` must be a module-level function (it is pickled for the child processes). Process start costs a
 few seconds on a 2-core machine, so put many checks into one launch.
 """
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -81,21 +86,22 @@ def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=Non
     default_method = "spawn" if _cuda_present() else "fork"
     start_method = start_method or os.environ.get("MEGATRON_TEST_START_METHOD", default_method)
     ctx = mp.get_context(start_method)
-    env = dict(env or {})
+    env = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="megatron_ranks_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         result_queue = ctx.Queue()
         procs, stack_files = [], []
-        for rank in range(world_size):
-            stack_file = os.path.join(tmp, f"stack_{rank}.txt")
-            stack_files.append(stack_file)
-            proc = ctx.Process(
-                target=_child,
-                args=(fn, rank, world_size, init_file, result_queue, stack_file, timeout, args, kwargs, env),
-                daemon=False,
-            )
-            proc.start()
-            procs.append(proc)
+        with _environment(env):  # spawned ranks read it when they start, before any import
+            for rank in range(world_size):
+                stack_file = os.path.join(tmp, f"stack_{rank}.txt")
+                stack_files.append(stack_file)
+                proc = ctx.Process(
+                    target=_child,
+                    args=(fn, rank, world_size, init_file, result_queue, stack_file, timeout, args, kwargs, env),
+                    daemon=False,
+                )
+                proc.start()
+                procs.append(proc)
         results, errors = _collect(procs, result_queue, world_size, timeout)
         for proc in procs:
             proc.join(timeout=5)
@@ -111,6 +117,21 @@ def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=Non
                 f"ranks {missing} of {fn.__name__} did not finish within {timeout:.0f}s (or died):\n{stacks}"
             )
         return [results[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def _environment(env):
+    """`os.environ` updated with `env` inside the block, restored after it."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _cuda_present() -> bool:

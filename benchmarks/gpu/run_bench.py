@@ -213,7 +213,8 @@ def parse_ours(job):
     return {
         "rc": job.proc.returncode if job.proc else None, "wall_s": job.wall_s,
         "tflops": round(statistics.median(tflops[1:]), 1) if len(tflops) > 1 else None,
-        "tflops_all": tflops, "step_ms": steady_ms, "first_interval_extra_s": round(compile_s, 1) if compile_s else None,
+        "tflops_all": tflops, "step_ms": round(steady_ms, 1) if steady_ms else None,
+        "first_interval_extra_s": round(compile_s, 1) if compile_s else None,
         "losses": [float(v) for v in LOSS_RE.findall(log)],
         "peak_mem_gb": round(max(mem) / 1024, 1) if mem else None,
     }

@@ -120,13 +120,16 @@ def test_rng_tracker_single_process():
     assert get_cuda_rng_tracker() is tracker, "seeding keeps the tracker object modules may hold"
     states = tracker.get_states()
     assert set(states) == {"data-parallel-rng", "model-parallel-rng", "expert-parallel-rng"}
-    before = torch.get_rng_state()
+    # The tracked generator is CUDA's wherever CUDA is available, else the CPU's default one.
+    on_cuda = torch.cuda.is_available()
+    device, get_state = ("cuda", torch.cuda.get_rng_state) if on_cuda else ("cpu", torch.get_rng_state)
+    before = get_state()
     with tracker.fork():
-        a = torch.rand(4)
-    assert torch.equal(torch.get_rng_state(), before), "fork restores the default stream"
+        a = torch.rand(4, device=device)
+    assert torch.equal(get_state(), before), "fork restores the default stream"
     tracker.set_states(states)
     with tracker.fork():
-        assert torch.equal(torch.rand(4), a)
+        assert torch.equal(torch.rand(4, device=device), a)
     with pytest.raises(ValueError, match="already"):
         tracker.add("model-parallel-rng", 12345)
     with pytest.raises(KeyError):
