@@ -110,12 +110,19 @@ def _largest(*terms):
     return functools.reduce(torch.maximum, [term.abs() for term in terms])
 
 
+def _unscaled(grad, grad_scale):
+    """The fp32 grad divided by the fp32 `grad_scale`, rounded to fp32: what torch's kernel steps with and
+    writes back (the fp64 quotient of two fp32 values rounds to the exactly rounded fp32 quotient)."""
+    if grad_scale is None:
+        return grad
+    return (grad.double() / torch.tensor(grad_scale, dtype=torch.float32).item()).float()
+
+
 def _exact_adamw(inputs, *, lr, weight_decay, grad_scale, beta1=0.9, beta2=0.95, eps=1e-8):
     """AdamW computed in fp64 from fp32 inputs: name -> (exact new value, largest term of its update)."""
-    param, grad, exp_avg, exp_avg_sq, step = (t.double() for t in inputs)
+    param, _, exp_avg, exp_avg_sq, step = (t.double() for t in inputs)
+    grad = _unscaled(inputs[1], grad_scale).double()
     step = float(step) + 1
-    if grad_scale is not None:  # by the fp32 scale, rounded to fp32 first, as torch defines it (and writes back)
-        grad = (grad / torch.tensor(grad_scale, dtype=torch.float32).item()).float().double()
     decay = lr * weight_decay * param
     avg_terms = (beta1 * exp_avg, (1 - beta1) * grad)
     sq_terms = (beta2 * exp_avg_sq, (1 - beta2) * grad * grad)
@@ -184,6 +191,7 @@ def test_fused_step_is_adamw_to_fp32_rounding(model_dtype, launches, fp64_math):
                 limit = MAX_ULPS if fp64_math else max(MAX_ULPS, theirs)
                 assert ours <= limit, f"step {step} param {index} {name}: {ours:.2f} ulps off"
             assert torch.equal(models[index], main.detach().to(model_dtype)), "the model copy is the rounded param"
+            assert torch.equal(main.grad, _unscaled(before[index][1], grad_scale)), "the unscaled grad written back"
             assert torch.equal(opt.state[main]["step"], ref_opt.state[ref]["step"])
     assert len(launches) == 3 * len(STEPS)
 
