@@ -147,21 +147,22 @@ def _snapshot(opt, mains):
 
 def _exact_errors(worst, before, opt, mains, grad_scale, lr=3e-4, betas=(0.9, 0.95), eps=1e-8):
     """Largest error of the step just taken against AdamW computed in fp64 from the same inputs, in fp32
-    ulps of the largest input term: param (of max(|param|, |update|)), exp_avg, exp_avg_sq."""
+    ulps of the largest term of each update (as tests/unit/optimizer/test_fused_adamw_gpu.py measures it)."""
     weight_decay = {id(p): group["weight_decay"] for group in opt.param_groups for p in group["params"]}
     for main, (param, grad, exp_avg, exp_avg_sq, step) in zip(mains, before):
         step += 1
         grad = (grad / grad_scale).float().double()  # unscaled in fp32 first, as torch defines it
-        new_avg = betas[0] * exp_avg + (1 - betas[0]) * grad
-        new_sq = betas[1] * exp_avg_sq + (1 - betas[1]) * grad * grad
+        avg_terms = (betas[0] * exp_avg, (1 - betas[0]) * grad)
+        sq_terms = (betas[1] * exp_avg_sq, (1 - betas[1]) * grad * grad)
+        new_avg, new_sq = sum(avg_terms), sum(sq_terms)
         denom = (new_sq.sqrt() / math.sqrt(1 - betas[1] ** step)) + eps
         update = lr / (1 - betas[0] ** step) * new_avg / denom
-        new_param = param * (1 - lr * weight_decay[id(main)]) - update
+        decay = lr * weight_decay[id(main)] * param
         state = opt.state[main]
-        for name, actual, exact, scale in (
-                ("param", main, new_param, torch.maximum(param.abs(), update.abs())),
-                ("exp_avg", state["exp_avg"], new_avg, torch.maximum((betas[0] * exp_avg).abs(), new_avg.abs())),
-                ("exp_avg_sq", state["exp_avg_sq"], new_sq, new_sq.abs())):
+        for name, actual, exact, terms in (("param", main, param - decay - update, (param, decay, update)),
+                                           ("exp_avg", state["exp_avg"], new_avg, avg_terms),
+                                           ("exp_avg_sq", state["exp_avg_sq"], new_sq, sq_terms)):
+            scale = functools.reduce(torch.maximum, [term.abs() for term in terms])
             ulps = (actual.double() - exact).abs() / _ulp(scale.float())
             worst[name] = max(worst.get(name, 0.0), round(float(ulps.max()), 2))
 
