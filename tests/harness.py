@@ -29,8 +29,7 @@ from datetime import timedelta
 DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_TEST_TIMEOUT", "600"))
 
 
-def _child(fn, rank, world_size, init_file, result_queue, stack_file, timeout, args, kwargs, env):
-    os.environ.update(env)
+def _child(fn, rank, world_size, init_file, result_queue, stack_file, timeout, args, kwargs):
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
     )
@@ -91,13 +90,13 @@ def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=Non
         init_file = os.path.join(tmp, "rendezvous")
         result_queue = ctx.Queue()
         procs, stack_files = [], []
-        with _environment(env):  # spawned ranks read it when they start, before any import
+        with _environment(env):  # the ranks start with it (forked or spawned), before any import
             for rank in range(world_size):
                 stack_file = os.path.join(tmp, f"stack_{rank}.txt")
                 stack_files.append(stack_file)
                 proc = ctx.Process(
                     target=_child,
-                    args=(fn, rank, world_size, init_file, result_queue, stack_file, timeout, args, kwargs, env),
+                    args=(fn, rank, world_size, init_file, result_queue, stack_file, timeout, args, kwargs),
                     daemon=False,
                 )
                 proc.start()

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
-from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _multi_tensor_copy_this_to_that, _timed
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _timed
 from megatron.core.optimizer.sharded_state import (
     DP_ZERO_SHARDING_TYPE,
     SHARDING_TYPE,
@@ -303,6 +303,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return [param.grad.data for group in self.optimizer.param_groups for param in group["params"] if param.grad is not None]
 
     def _get_main_params_and_model_data_float16(self):
+        """(this rank's fp32 main shards, the matching pieces of the DDP parameter buffer they are copied to)."""
         main_params, model_data = [], []
         for model_group, main_group in zip(self.shard_float16_groups, self.shard_fp32_from_float16_groups):
             main_params.extend(main_group)
@@ -320,16 +321,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 # [*param.shape] -> [numel], then this rank's piece.
                 shard_grad = model_param.main_grad.view(-1)[param_range.start : param_range.end]
                 main_param.grad = shard_grad.float()
-
-    def _copy_main_params_to_model_params(self):
-        """Write updated fp32 shards into the DDP parameter buffer (fp32 shards already live there)."""
-        model_data, main_data = self._get_model_and_main_params_data_float16()
-        _multi_tensor_copy_this_to_that(this=main_data, that=model_data)
-
-    def _copy_model_params_to_main_params(self):
-        """Refresh fp32 shards from the model params (after loading model weights)."""
-        model_data, main_data = self._get_model_and_main_params_data_float16()
-        _multi_tensor_copy_this_to_that(this=model_data, that=main_data)
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

@@ -79,7 +79,7 @@ def _inner_step(optimizer, main_params: Sequence[torch.Tensor] = (),
     torch AdamW on CUDA is stepped by `fused_adamw.step_with_model_copy`, which also writes the model copies
     of the large params; returns the main params whose copy is written (none otherwise)."""
     try:
-        written = fused_adamw.step_with_model_copy(optimizer, main_params, model_params) if main_params else None
+        written = fused_adamw.step_with_model_copy(optimizer, main_params, model_params)
         if written is None:
             optimizer.step()
             return []
@@ -344,8 +344,8 @@ class MegatronOptimizer(ABC):
 class MixedPrecisionOptimizer(MegatronOptimizer):
     """Step for optimizers whose main params are separate from the model params.
 
-    Subclasses provide `_collect_main_grad_data_for_unscaling`, `_copy_model_grads_to_main_grads`,
-    `_copy_main_params_to_model_params` and `_copy_model_params_to_main_params`.
+    Subclasses provide `_collect_main_grad_data_for_unscaling`, `_copy_model_grads_to_main_grads` and
+    `_get_main_params_and_model_data_float16` (the main params and the model tensors copied from them).
     """
 
     def __init__(
@@ -383,17 +383,22 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         """Fill the main grads from the model grads."""
 
     @abstractmethod
-    def _copy_main_params_to_model_params(self) -> None:
-        """Write the updated main params into the model params."""
-
-    @abstractmethod
-    def _copy_model_params_to_main_params(self) -> None:
-        """Refresh main params from the model params."""
-
     def _get_main_params_and_model_data_float16(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """(the optimizer's fp32 main params, the fp16/bf16 model tensors `_copy_main_params_to_model_params`
-        writes from them); empty here: subclasses that list them let the inner step write the model copies."""
-        return [], []
+        writes from them), pairwise."""
+
+    def _copy_main_params_to_model_params(self, written: Sequence[torch.Tensor] = ()) -> None:
+        """Write the updated main params into the model params, except those of the main params in `written`
+        (the fused AdamW step already wrote them: `fused_adamw`)."""
+        done = {id(param) for param in written}
+        main_params, model_data = self._get_main_params_and_model_data_float16()
+        pairs = [(main.data, model) for main, model in zip(main_params, model_data) if id(main) not in done]
+        _multi_tensor_copy_this_to_that(this=[main for main, _ in pairs], that=[model for _, model in pairs])
+
+    def _copy_model_params_to_main_params(self) -> None:
+        """Refresh main params from the model params."""
+        model_data, main_data = self._get_model_and_main_params_data_float16()
+        _multi_tensor_copy_this_to_that(this=model_data, that=main_data)
 
     def _get_model_and_main_params_data_float16(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """(fp16/bf16 model tensors, their fp32 main tensors), pairwise: what the param copies read and write."""
@@ -431,15 +436,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         written = []
         with _timed(self.config, "optimizer-inner-step"):
             if not self.is_stub_optimizer:
-                main_params, model_data = self._get_main_params_and_model_data_float16()
-                written = _inner_step(self.optimizer, main_params, model_data)
+                written = _inner_step(self.optimizer, *self._get_main_params_and_model_data_float16())
         with _timed(self.config, "optimizer-copy-main-to-model-params"):
-            if written:
-                done = {id(param) for param in written}
-                rest = [(main, model) for main, model in zip(main_params, model_data) if id(main) not in done]
-                _multi_tensor_copy_this_to_that(this=[main.data for main, _ in rest], that=[model for _, model in rest])
-            elif not self.is_stub_optimizer:
-                self._copy_main_params_to_model_params()
+            if not self.is_stub_optimizer:
+                self._copy_main_params_to_model_params(written)
         return True
 
     @torch.no_grad()
@@ -540,14 +540,6 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                 main_grad = getattr(model_param, "main_grad", None)
                 if main_grad is not None:
                     model_param.grad = main_grad
-
-    def _copy_main_params_to_model_params(self) -> None:
-        model_data, main_data = self._get_model_and_main_params_data_float16()
-        _multi_tensor_copy_this_to_that(this=main_data, that=model_data)
-
-    def _copy_model_params_to_main_params(self) -> None:
-        model_data, main_data = self._get_model_and_main_params_data_float16()
-        _multi_tensor_copy_this_to_that(this=model_data, that=main_data)
 
     def _model_and_main_params(self) -> List[Tuple[torch.Tensor, torch.Tensor, int, int]]:
         pairs = []
