@@ -269,7 +269,7 @@ def build_jobs(args):
             late.append(Job("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                           "tests/unit/fusions", "tests/unit/models/test_models_gpu.py",
                                           "tests/unit/test_deferred_checks.py"], 1))
-            # Own process: its CPU tests fork ranks, which autograd forbids once the parent ran CUDA backwards.
+            # Its own job (one GPU): the ranks of its CPU tests are spawned processes without a GPU (tests/harness).
             late.append(Job("gpu_tests_tp", [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                              "tests/unit/tensor_parallel"], 1))
         elif extra in ("graphtests", "graphtests-tp", "graphtests-fp8"):  # --enable-cuda-graph against eager runs

@@ -24,6 +24,12 @@ def test_flush_raises_the_first_failure_in_queue_order():
     assert queue.pending() == 0
     queue.add(torch.tensor([1.0]), lambda: "fine", predicate=torch.isinf)
     queue.flush()
+    # Verdicts are evaluated per predicate group; the earliest queued failure still wins across groups.
+    queue.add(torch.tensor([1.0]), lambda: "norm fine", predicate=not_finite)
+    queue.add(torch.tensor(float("nan")), lambda: "loss nan, queued first", predicate=torch.isnan)
+    queue.add(torch.tensor([float("inf")]), lambda: "norm inf, queued later", predicate=not_finite)
+    with pytest.raises(RuntimeError, match="^loss nan, queued first$"):
+        queue.flush()
 
 
 def test_step_lags_two_iterations_and_flush_takes_everything():
