@@ -101,6 +101,9 @@ VARIANTS = {
     "tpoverlap": {"flags": "--tp-comm-overlap"},  # SP all-gather / reduce-scatter pipelined with the GEMMs
     "fp8": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise"},  # FP8 GEMMs, current scaling
     "fp8d": {"flags": "--fp8-format hybrid"},  # FP8 GEMMs, delayed scaling (Megatron's default recipe)
+    # weight gradients returned in the model's dtype and added into main_grad by DDP's hook (what traced
+    # linears do), instead of one fp32-output GEMM into main_grad
+    "nogaf": {"flags": "--no-gradient-accumulation-fusion"},
 }
 TFLOPS_RE = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 ELAPSED_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")

@@ -393,11 +393,12 @@ def trace_linears_when_compiling() -> bool:
     calls them eagerly (its graph is split at each linear).
 
     Traced, a linear returns its weight gradient to autograd (DDP's hook adds it into `main_grad`; see
-    `_accumulate_weight_grad`). That is exact against eager on CPU (fp32 and bf16, DDP, TP=2+SP) and ran
-    GPT-1.3B on an H200 at 495-500 TFLOP/s without CUDA graphs (459-491 with eager linears), but its
-    bf16 loss curve there left the eager one within 5 iterations (Adam without warm-up, where small
-    numerical differences are known to grow; not yet told apart from an error), 2026-11-30,
-    docs/performance.md. Off until a long, stable-regime comparison on a GPU settles it.
+    `_accumulate_weight_grad`). That is exact against eager on CPU (fp32 and bf16, DDP, TP=2+SP). On an H200
+    (2026-11-30, docs/performance.md) it made host-bound models faster without CUDA graphs (GPT-1.3B 495-500
+    TFLOP/s against 459-491; a 12-layer hidden-1024 model 58-82 ms per iteration against 97-180), but GPT-1.3B
+    with CUDA graphs 1% slower (the extra pass adding bf16 weight gradients into `main_grad`), and over 200
+    iterations of real text its bf16 loss stayed above every other path's from iteration 30 on, in two jobs
+    (by 0.003-0.08; unexplained). Hence off by default.
     """
     return os.environ.get("MEGATRON_COMPILE_LINEARS", "0").strip() == "1"
 
