@@ -193,6 +193,18 @@ def _read(path):
         return "(no stack file)"
 
 
+def load_interpreted(path, name):
+    """A fresh copy of the module at `path` whose Triton kernels run in Triton's interpreter (numpy, on CPU
+    tensors): the module is executed with TRITON_INTERPRET=1 set, which Triton reads when `@triton.jit` runs."""
+    import importlib.util
+
+    with _environment({"TRITON_INTERPRET": "1"}):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
 def repo_root():
     """Absolute path of the repository root (the folder holding pretrain_gpt.py)."""
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,15 +3,18 @@ fused QKV output), forward and forward+backward, on one GPU (not part of the pro
 
   python benchmarks/gpu/rope_bench.py
 
-Variants: the product's path (`CudaCompiled`: one compilation per argument signature, sizes constant);
+Variants: the plain path (`CudaCompiled`: one compilation per argument signature, sizes constant; the
+product's where the fused kernels below do not apply);
 the same with every size symbolic (the product before 2026-11-30 evening); and cos/sin computed once per
 call outside the compiled kernel (the kernel reads two small tables instead of evaluating cos/sin for
-every element). Prints one JSON line per variant with median microseconds and the
-largest difference from the eager function.
+every element); and the fused split + rotation kernels (`fusions.fused_qkv_rope`, the product's path for
+self-attention on CUDA since the eleventh session, 2026-11-30). Prints one JSON line per variant with median
+microseconds and the largest difference from the eager function.
 """
 import json
 import os
 import sys
+import types
 
 import torch
 
@@ -19,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import triton.testing  # noqa: E402
 
-from megatron.core.fusions import _compile  # noqa: E402
+from megatron.core.fusions import _compile, fused_qkv_rope  # noqa: E402
 from megatron.core.transformer import rope_utils  # noqa: E402
 
 
@@ -28,6 +31,29 @@ def rotate_with_tables(t, cos_, sin_):
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
     t_rot = (t_rot * cos_) + (rope_utils._rotate_half(t_rot, False) * sin_)
     return torch.cat((t_rot, t_pass), dim=-1)
+
+
+def fused_variant(qkv, freqs, per_group, hn, reference):
+    """The product since the eleventh session (2026-11-30): split + rotation of q and k (and the copy of v)
+    as one Triton kernel each way (`fusions.fused_qkv_rope`), from the fused projection's output."""
+    config = types.SimpleNamespace(rotary_interleaved=False)
+
+    def forward():
+        # [s, b, ng, (np/ng+2)*hn] -> [s, b, ng*(np/ng+2)*hn], the projection's output
+        return fused_qkv_rope.try_fused_qkv_rope(qkv.view(*qkv.shape[:2], -1), freqs, per_group, hn, config)
+
+    def forward_backward():
+        outs = forward()
+        torch.autograd.backward(outs[:2], (grad_q, grad_k))
+
+    outs = forward()
+    grad_q, grad_k = torch.ones_like(outs[0]), torch.ones_like(outs[1])
+    diff = max(float((o - r).detach().abs().max()) for o, r in zip(outs[:2], reference))
+    with torch.no_grad():
+        fwd_us = triton.testing.do_bench(forward, warmup=10, rep=100) * 1000
+    both_us = triton.testing.do_bench(forward_backward, warmup=10, rep=100, grad_to_none=[qkv]) * 1000
+    print(json.dumps({"variant": "fused split + rotation kernels (q, k and v)", "fwd_us": round(fwd_us, 1),
+                      "fwd_bwd_us": round(both_us, 1), "max_diff_vs_eager": diff}), flush=True)
 
 
 def main():
@@ -53,13 +79,14 @@ def main():
         return apply
 
     variants = {
-        "product (specialised per signature)": lambda t: rope_utils._apply_rotary_pos_emb_bshd_fused(t, freqs, False, 1.0),
+        "plain path (specialised per signature)": lambda t: rope_utils._apply_rotary_pos_emb_bshd_fused(t, freqs, False, 1.0),
         "all sizes symbolic": lambda t: symbolic(t, freqs, False, 1.0),
         "cos/sin tables, static": run_tables(tables),
         "cos/sin tables, dynamic": run_tables(tables_dynamic),
     }
     q, k = operands()
     reference = [rope_utils._apply_rotary_pos_emb_bshd(x, freqs) for x in (q, k)]
+    fused_variant(qkv, freqs, per_group, hn, reference)
     for name, fn in variants.items():
         def forward():
             q_, k_ = operands()

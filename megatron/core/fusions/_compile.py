@@ -64,21 +64,20 @@ class CudaCompiled:
 
     def _compiled_for(self, args):
         """[compiled function, proven] for these arguments (proven: it has run once without failing), or None
-        once `_MAX_SPECIALISED` other signatures have their compilation or when `MEGATRON_EAGER_FUSIONS=1`
-        (the caller runs `fn` eagerly)."""
+        once `_MAX_SPECIALISED` other signatures have their compilation (the caller runs `fn` eagerly)."""
         key = _signature(args)
         entry = self._specialised.get(key)
         if entry is None and len(self._specialised) < _MAX_SPECIALISED:
-            if eager_fusions_requested():
-                self._failed = True
-                return None
             entry = self._specialised[key] = [torch.compile(_fresh_copy(self.fn), dynamic=False), False]
         return entry
 
     def __call__(self, *args):
         first = args[0]
         # Inside a compiled region (a compiled transformer layer) the outer compiler fuses the eager code.
-        if self._failed or torch.compiler.is_compiling() or not (torch.is_tensor(first) and first.is_cuda):
+        # MEGATRON_EAGER_FUSIONS is read at each call (not remembered), so a process may switch it.
+        if torch.compiler.is_compiling() or self._failed or not (torch.is_tensor(first) and first.is_cuda):
+            return self.fn(*args)
+        if eager_fusions_requested():
             return self.fn(*args)
         entry = self._compiled_for(args)
         if entry is None:

@@ -9,6 +9,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from megatron.core.fusions.fused_qkv_rope import try_fused_qkv_rope
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -110,6 +111,22 @@ class Attention(MegatronModule):
         """Queries [sq, b, np, hn], keys and values [sk, b, ng, hn]."""
         raise NotImplementedError(f"{type(self).__name__} must define get_query_key_value_tensors")
 
+    def _rotated_query_key_value(self, hidden_states, key_value_states, rotary_pos_emb, packed_seq_params):
+        """Queries, keys and values with the rotary position embeddings (when given) applied."""
+        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        return (*self._apply_rotary(query, key, rotary_pos_emb, packed_seq_params), value)
+
+    def _apply_rotary(self, query, key, rotary_pos_emb, packed_seq_params):
+        if rotary_pos_emb is None:
+            return query, key
+        q_pos_emb, k_pos_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+        cu_q = cu_kv = None
+        if packed_seq_params is not None:
+            cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config, cu_seqlens=cu_q)
+        key = apply_rotary_pos_emb(key, k_pos_emb, config=self.config, cu_seqlens=cu_kv)
+        return query, key
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -128,14 +145,8 @@ class Attention(MegatronModule):
         """[s, b, h] -> (output [s, b, h], output bias or None)."""
         if inference_context is not None or inference_params is not None:
             raise ValueError("inference_context (KV-cache inference) is not supported by the native Attention.")
-        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
-        if rotary_pos_emb is not None:
-            q_pos_emb, k_pos_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            cu_q = cu_kv = None
-            if packed_seq_params is not None:
-                cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
-            query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config, cu_seqlens=cu_q)
-            key = apply_rotary_pos_emb(key, k_pos_emb, config=self.config, cu_seqlens=cu_kv)
+        query, key, value = self._rotated_query_key_value(hidden_states, key_value_states, rotary_pos_emb,
+                                                          packed_seq_params)
         core_attn_out = self.core_attention(
             query,
             key,
@@ -195,6 +206,27 @@ class SelfAttention(Attention):
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
         """Split the fused projection into per-head queries, keys and values (qk-norm applied per head)."""
         mixed_qkv, _ = self.linear_qkv(hidden_states)
+        return self._split_mixed_qkv(mixed_qkv)
+
+    def _rotated_query_key_value(self, hidden_states, key_value_states, rotary_pos_emb, packed_seq_params):
+        """With rotary embeddings, no packed sequences and no q/k norm, the split and the rotation are one
+        kernel each way on CUDA (`fusions.fused_qkv_rope`), same values; otherwise split, then rotate."""
+        freqs = rotary_pos_emb
+        if isinstance(freqs, tuple) and freqs[0] is freqs[1]:
+            freqs = freqs[0]
+        plain_norms = all(norm is None or isinstance(norm, IdentityOp) for norm in (self.q_layernorm, self.k_layernorm))
+        if not torch.is_tensor(freqs) or packed_seq_params is not None or not plain_norms:
+            return super()._rotated_query_key_value(hidden_states, key_value_states, rotary_pos_emb, packed_seq_params)
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        fused = try_fused_qkv_rope(mixed_qkv, freqs, heads_per_group, self.hidden_size_per_attention_head, self.config)
+        if fused is not None:
+            return fused
+        query, key, value = self._split_mixed_qkv(mixed_qkv)
+        return (*self._apply_rotary(query, key, rotary_pos_emb, packed_seq_params), value)
+
+    def _split_mixed_qkv(self, mixed_qkv):
+        """Queries [sq, b, np, hn], keys and values [sq, b, ng, hn] from the fused projection's output."""
         heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         hn = self.hidden_size_per_attention_head
         group_shape = (self.num_query_groups_per_partition, (heads_per_group + 2) * hn)

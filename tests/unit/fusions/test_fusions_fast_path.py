@@ -172,6 +172,14 @@ def test_cuda_compiled_specialises_per_signature_then_runs_eagerly(monkeypatch):
     assert len(codes) == len(made) and id(add.__code__) not in codes
     assert all(fn(x, 1.0).equal(add(x, 1.0)) for fn, _ in made)
 
+    # MEGATRON_EAGER_FUSIONS is read at every call: the CUDA branch (CPU tensors posing as CUDA ones) runs
+    # eagerly while it is set and compiles once it is not
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    switched = _compile.CudaCompiled(add)
     monkeypatch.setenv("MEGATRON_EAGER_FUSIONS", "1")
-    eager = _compile.CudaCompiled(add)
-    assert eager._compiled_for((x, 1.0)) is None and eager._failed and len(made) == _compile._MAX_SPECIALISED
+    assert switched(x, 1.0).equal(add(x, 1.0)) and not switched._specialised and not switched._failed
+    monkeypatch.setenv("MEGATRON_EAGER_FUSIONS", "0")
+    assert switched(x, 1.0).equal(add(x, 1.0)) and len(switched._specialised) == 1
+    monkeypatch.setenv("MEGATRON_EAGER_FUSIONS", "1")
+    made.clear()
+    assert switched(x, 1.0).equal(add(x, 1.0)) and not made

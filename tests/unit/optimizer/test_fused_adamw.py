@@ -12,7 +12,6 @@
   compiled ahead of time for sm_90 (exact division and sqrt, round-to-nearest conversions, vectorized access).
 """
 import copy
-import importlib.util
 import os
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.core import parallel_state
 from megatron.core.optimizer import Float16OptimizerWithFloat16Params, OptimizerConfig, fused_adamw, get_megatron_optimizer
-from tests.harness import run_on_ranks
+from tests.harness import load_interpreted, run_on_ranks
 from tests.unit.distributed import dp_toy
 from tests.unit.optimizer.test_optimizer_syncfree import _no_host_reads
 
@@ -380,17 +379,7 @@ def interpreted():
     """A copy of `_adamw_triton` whose kernels run in Triton's interpreter (numpy, on CPU tensors)."""
     pytest.importorskip("triton")
     path = os.path.join(os.path.dirname(fused_adamw.__file__), "_adamw_triton.py")
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec = importlib.util.spec_from_file_location("_adamw_triton_interpreted", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+    module = load_interpreted(path, "_adamw_triton_interpreted")
     if not _interpreter_runs_runtime_loops(module):
         pytest.skip("this Triton's interpreter cannot run loops with runtime bounds (Triton 3.6: a program id's "
                     "`__index__` fails on its one-element array); the kernel cannot be interpreted here")
