@@ -76,17 +76,17 @@ def fused_path_applies(qkv: torch.Tensor, freqs: torch.Tensor, config) -> bool:
             and freqs.dim() == 4 and freqs.shape[1] == 1 and freqs.shape[2] == 1 and freqs.shape[0] == qkv.shape[0])
 
 
-def try_fused_qkv_rope(qkv: torch.Tensor, freqs: torch.Tensor, heads_per_group: int, head_dim: int, config,
-                       mscale: float = 1.0) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def try_fused_qkv_rope(qkv: torch.Tensor, freqs: torch.Tensor, heads_per_group: int, head_dim: int,
+                       config) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, hn]) from the fused projection `qkv`
     [s, b, ng * (np/ng + 2) * hn], queries and keys rotated by the angles `freqs` [s, 1, 1, rot], through the
     Triton kernels; None where they do not apply (the caller splits and rotates the plain way)."""
     if not fused_path_applies(qkv, freqs, config):
         return None
     angles = freqs[:, 0, 0, :].to(device=qkv.device)  # [s, 1, 1, rot] -> [s, rot]
-    # the tables `apply_rotary_pos_emb` builds: cos/sin in the angles' precision, scaled, in the activations' dtype
-    cos = (torch.cos(angles) * mscale).to(qkv.dtype).contiguous()
-    sin = (torch.sin(angles) * mscale).to(qkv.dtype).contiguous()
+    # the tables `apply_rotary_pos_emb` builds (mscale 1): cos/sin in the angles' precision, in the activations' dtype
+    cos = torch.cos(angles).to(qkv.dtype).contiguous()
+    sin = torch.sin(angles).to(qkv.dtype).contiguous()
     if not _triton_qkv_rope.usable(qkv, cos, heads_per_group, head_dim):
         return None
     return qkv_rope(qkv, cos, sin, heads_per_group, head_dim)

@@ -195,6 +195,10 @@ class SelfAttention(Attention):
         )
         self.q_layernorm = self._build_qk_norm(submodules.q_layernorm)
         self.k_layernorm = self._build_qk_norm(submodules.k_layernorm)
+        self.heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        # the fused split + rotation (`_rotated_query_key_value`) applies only without q/k norms
+        norms = (self.q_layernorm, self.k_layernorm)
+        self._no_qk_norm = all(norm is None or isinstance(norm, IdentityOp) for norm in norms)
 
     def _build_qk_norm(self, spec):
         if spec is None:
@@ -214,12 +218,11 @@ class SelfAttention(Attention):
         freqs = rotary_pos_emb
         if isinstance(freqs, tuple) and freqs[0] is freqs[1]:
             freqs = freqs[0]
-        plain_norms = all(norm is None or isinstance(norm, IdentityOp) for norm in (self.q_layernorm, self.k_layernorm))
-        if not torch.is_tensor(freqs) or packed_seq_params is not None or not plain_norms:
+        if not torch.is_tensor(freqs) or packed_seq_params is not None or not self._no_qk_norm:
             return super()._rotated_query_key_value(hidden_states, key_value_states, rotary_pos_emb, packed_seq_params)
         mixed_qkv, _ = self.linear_qkv(hidden_states)
-        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        fused = try_fused_qkv_rope(mixed_qkv, freqs, heads_per_group, self.hidden_size_per_attention_head, self.config)
+        fused = try_fused_qkv_rope(mixed_qkv, freqs, self.heads_per_group, self.hidden_size_per_attention_head,
+                                   self.config)
         if fused is not None:
             return fused
         query, key, value = self._split_mixed_qkv(mixed_qkv)
@@ -227,7 +230,7 @@ class SelfAttention(Attention):
 
     def _split_mixed_qkv(self, mixed_qkv):
         """Queries [sq, b, np, hn], keys and values [sq, b, ng, hn] from the fused projection's output."""
-        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        heads_per_group = self.heads_per_group
         hn = self.hidden_size_per_attention_head
         group_shape = (self.num_query_groups_per_partition, (heads_per_group + 2) * hn)
         mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:-1], *group_shape)  # [sq, b, ng*(np/ng+2)*hn] -> [sq, b, ng, (np/ng+2)*hn]
