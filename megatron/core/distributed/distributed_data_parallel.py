@@ -30,14 +30,6 @@ _DEFAULT_MIN_BUCKET_SIZE = 40_000_000
 _DEFAULT_BUCKET_SIZE_PER_DP_RANK = 1_000_000
 
 
-def _inter_instance_group():
-    """The group joining the distributed-optimizer instances (Megatron has had two names for its getter)."""
-    getter = getattr(parallel_state, "get_inter_distributed_optimizer_instance_group", None)
-    if getter is None:
-        getter = parallel_state.get_inter_partial_data_parallel_group
-    return getter()
-
-
 class _CommGroups:
     """The process groups DDP communicates over, resolved once (explicit groups or parallel_state)."""
 
@@ -56,7 +48,7 @@ class _CommGroups:
             )
             self.inter_dist_opt = None
             if ddp_config.num_distributed_optimizer_instances > 1:
-                self.inter_dist_opt = _inter_instance_group()
+                self.inter_dist_opt = parallel_state.get_inter_distributed_optimizer_instance_group()
             self.tp = parallel_state.get_tensor_model_parallel_group()
             self.pp = parallel_state.get_pipeline_model_parallel_group()
         else:
