@@ -396,7 +396,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 entries = [(model, start, stop, state_tensors(self.optimizer, main))
                            for model, main, start, stop in self._model_and_main_params()]
                 state["param_state"] = model_space_state_shards(
-                    entries, param_to_sharded_map(model_sharded_state_dict), True, nd_flattened=True)
+                    entries, param_to_sharded_map(model_sharded_state_dict), True, nd_flattened=True,
+                    instance_id=self.distributed_optimizer_instance_id)
             return state
         prefix = f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx or 0}"
         dp_rank = dist.get_rank(self.data_parallel_group)

@@ -299,7 +299,8 @@ class MegatronOptimizer(ABC):
             entries = [(model, start, stop, state_tensors(self.optimizer, main))
                        for model, main, start, stop in self._model_and_main_params()]
             state["param_state"] = model_space_state_shards(
-                entries, param_to_sharded_map(model_sharded_state_dict), self._state_sharded_over_dp)
+                entries, param_to_sharded_map(model_sharded_state_dict), self._state_sharded_over_dp,
+                instance_id=getattr(self, "distributed_optimizer_instance_id", 0))
         grad_scaler = getattr(self, "grad_scaler", None)
         if grad_scaler is not None:
             state["grad_scaler"] = grad_scaler.state_dict()

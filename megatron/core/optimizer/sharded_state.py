@@ -96,12 +96,14 @@ def _pieces(sharded: Any, param: torch.Tensor) -> List[Tuple[ShardedTensor, int]
     return result
 
 
-def _optimizer_replica_id(replica_id: Any, sharded_over_dp: bool) -> Any:
+def _optimizer_replica_id(replica_id: Any, sharded_over_dp: bool, instance_id: int = 0) -> Any:
+    """A sharded optimizer's pieces are unique inside one distributed-optimizer instance: the DP coordinate
+    of the replica id becomes the instance id (Megatron's rule), so only instance 0 writes them."""
     if not sharded_over_dp:
         return replica_id
     if isinstance(replica_id, tuple):
-        return (*replica_id[:-1], 0)
-    return 0
+        return (*replica_id[:-1], instance_id)
+    return instance_id
 
 
 def _nd_flattened_shards(piece: ShardedTensor, piece_start: int, lo: int, hi: int, own_start: int,
@@ -128,13 +130,14 @@ def _nd_flattened_shards(piece: ShardedTensor, piece_start: int, lo: int, hi: in
 
 def model_space_state_shards(entries: Iterable[Tuple[torch.Tensor, int, int, Dict[str, torch.Tensor]]],
                              param_map: Dict[int, Any], sharded_over_dp: bool,
-                             nd_flattened: bool = False) -> Dict[str, ShardedTensor]:
+                             nd_flattened: bool = False, instance_id: int = 0) -> Dict[str, ShardedTensor]:
     """ShardedTensors of optimizer state tensors, in model space.
 
     entries: (model param, owned flat start, owned flat stop, {state name: tensor of the owned range}).
     With `sharded_over_dp` (distributed optimizer) every DP rank writes the part it owns. With `nd_flattened`
     the requests follow Megatron-LM's distributed-optimizer layout instead (`_nd_flattened_shards`; tensors
     with one dimension keep the model layout, as Megatron stores them): used to read its checkpoints.
+    `instance_id` is this rank's distributed-optimizer instance (see `_optimizer_replica_id`).
     """
     result: Dict[str, ShardedTensor] = {}
     for model_param, own_start, own_stop, tensors in entries:
@@ -145,7 +148,7 @@ def model_space_state_shards(entries: Iterable[Tuple[torch.Tensor, int, int, Dic
             lo = max(own_start, piece_start)
             hi = min(own_stop, piece_start + piece.data.numel())
             prepend = piece.prepend_axis_num
-            replica_id = _optimizer_replica_id(piece.replica_id, sharded_over_dp)
+            replica_id = _optimizer_replica_id(piece.replica_id, sharded_over_dp, instance_id)
             if nd_flattened and len(piece.global_shape) > 1:
                 if lo < hi:
                     result.update(_nd_flattened_shards(piece, piece_start, lo, hi, own_start, tensors, replica_id))
