@@ -23,7 +23,6 @@ loaded dict (it is never saved).
 """
 import copy
 import inspect
-import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch

@@ -24,7 +24,7 @@ decentralized planning writes none). The stored shape says it anyway: with the m
 """
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
