@@ -34,6 +34,7 @@ import torch
 
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.safe_load import MEGATRON_CLASSES
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -252,6 +253,15 @@ def load_model_chunk(chunk, state_dict: Dict[str, Any], strict: bool, where: str
                            f"{unexpected} (different model configuration?)")
 
 
+def _drop_absent_extra_states(request: Dict[str, Any], stored: set) -> None:
+    """Remove from the model part of `request` the `_extra_state` objects the checkpoint lacks (a local-spec
+    checkpoint has no `core_attention._extra_state` for a TE-spec model): those modules keep their own."""
+    for name in [k for k in request if k == "model" or (k.startswith("model") and k[5:].isdigit())]:
+        request[name], _ = extract_matching_values(
+            request[name], lambda v: not (isinstance(v, ShardedObject) and v.key.endswith("._extra_state")
+                                          and v.unique_key not in stored))
+
+
 def _stored_keys(checkpoint_dir: str) -> set:
     return set(read_dcp_metadata(checkpoint_dir).state_dict_metadata)
 
@@ -292,6 +302,7 @@ def load_sharded(args, model, optimizer, opt_param_scheduler, checkpoint_dir: st
                                           rerun_state=_rerun_request(load_rerun, common, stored))
     for name in ("args", "checkpoint_version", "num_floating_point_operations_so_far", "opt_param_scheduler"):
         request.pop(name, None)
+    _drop_absent_extra_states(request, stored)
     loaded = dist_checkpointing.load(request, checkpoint_dir, strict=args.dist_ckpt_strictness)
     if isinstance(loaded, tuple):
         loaded = loaded[0]

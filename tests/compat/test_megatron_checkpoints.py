@@ -20,9 +20,10 @@ distributed optimizer), through `pretrain` with Megatron's own flags (`expected.
    non-distributed optimizer must train exactly like the distributed one; without the optimizer state
    (`--no-load-optim`) iteration 8 must differ (measured: 8e-4 relative). TP=2 must equal TP=1 within 1e-6 (fp32)
    and 1e-4 (bf16; measured: <= 1.1e-5).
-4. The legacy checkpoint cannot be resharded (Megatron refuses too); at TP=2 it is first converted at its own layout
+4. The fp32 checkpoint (local spec) also evaluates to Megatron's losses in the Transformer-Engine spec.
+5. The legacy checkpoint cannot be resharded (Megatron refuses too); at TP=2 it is first converted at its own layout
    with `--ckpt-convert-format torch_dist`, then loaded and trained on.
-5. A checkpoint written here by `pretrain` with each case's flags has exactly Megatron's keys, global shapes and
+6. A checkpoint written here by `pretrain` with each case's flags has exactly Megatron's keys, global shapes and
    dtypes in `.metadata`, the same `common.pt` top-level keys, the same nested structure of the optimizer's common
    part and content metadata, and (legacy) the same file contents by key.
 
@@ -87,6 +88,9 @@ def _one_rank(dirs, root):
         os.path.join(dirs["gpt_bf16_distopt"], ITERATION), built)
     code, losses, _, _ = mf.run([*bf16, "--load", dirs["gpt_bf16_distopt"], *RESUME])
     results["bf16_non_distributed"] = mf.iteration_losses(losses, MICROBATCHES)
+    te_spec = [f if f != "local" else "transformer_engine" for f in mf.flags("gpt_fp32_torch_dist")]
+    code, _, results["te_spec"], _ = mf.run([*te_spec, "--load", dirs["gpt_fp32_torch_dist"], "--skip-train"])
+    assert code is None
     code, _, _, _ = mf.run(mf.flags("gpt_torch_legacy", "--load", dirs["gpt_torch_legacy"], "--ckpt-convert-format",
                                     "torch_dist", "--ckpt-convert-save", os.path.join(root, "legacy_converted")))
     assert code == 0
@@ -135,6 +139,14 @@ def test_megatron_checkpoint_evaluates_to_megatron_losses(runs, case):
             got = result["eval"][split]
             assert _rel(got, spec[split]) <= tolerance, f"{case} at {layout}: {split} loss {got} vs Megatron's {spec[split]}"
     assert one["allow_list_extended"] == [], "the legacy file must load without extending the allow-list"
+
+
+def test_local_spec_checkpoint_loads_into_the_te_spec(runs):
+    """Keys are shared between the specs (Megatron maps the local norms to TE names); the TE spec's
+    `core_attention._extra_state`, absent from a local-spec checkpoint, keeps the module's own."""
+    spec = mf.expected()["cases"]["gpt_fp32_torch_dist"]
+    te_spec = runs[0]["te_spec"]
+    assert _rel(te_spec["valid"], spec["valid"]) <= 1e-5 and _rel(te_spec["test"], spec["test"]) <= 1e-5
 
 
 @pytest.mark.parametrize("case", TORCH_DIST)

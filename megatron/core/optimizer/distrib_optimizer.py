@@ -16,12 +16,13 @@ tensors go through `get_parameter_state_dp_zero()` into `distrib_optim.pt` (lega
 `param`/`exp_avg`/`exp_avg_sq` tensor per buffer and dtype in buffer order without bucket padding,
 gathered on DP rank 0 over the gloo DP group. Everything loads with `torch.load(weights_only=True)`.
 
-Distributed checkpoints: `sharded_state_dict()` gives the model-space layout (`fully_sharded_model_space`,
-reshardable) by default. With `sharding_type="dp_zero_gather_scatter"` (or `metadata=
-{"distrib_optim_sharding_type": ...}`) it gives Megatron's layout for `--no-ckpt-fully-parallel-save`:
-ShardedObjects `optimizer.distributed.dp_group_idx_{model-parallel rank}.{optimizer,grad_scaler}` (replica_id =
-DP rank) and `....param_state` (the `get_parameter_state_dp_zero()` dict, written by DP rank 0), which loads only
-at the TP/PP it was saved with.
+Distributed checkpoints: `sharded_state_dict()` gives Megatron's `fully_sharded_model_space` layout by default: the
+owned range of each model piece as a `flattened_range` ShardedTensor, which the torch_dist backend stores N-D
+flattened and reads back at any TP/PP/DP, into this optimizer or a non-distributed one (`sharded_state.py`). With
+`sharding_type="dp_zero_gather_scatter"` (or `metadata={"distrib_optim_sharding_type": ...}`) it gives Megatron's
+layout for `--no-ckpt-fully-parallel-save`: ShardedObjects `optimizer.distributed.dp_group_idx_{model-parallel
+rank}.{optimizer,grad_scaler}` (replica_id = DP rank) and `....param_state` (the `get_parameter_state_dp_zero()`
+dict, written by DP rank 0), which loads only at the TP/PP it was saved with.
 """
 import copy
 import itertools
