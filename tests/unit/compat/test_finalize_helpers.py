@@ -33,6 +33,10 @@ def _check_helpers():
     from megatron.core import parallel_state
     # `megatron.core.distributed.finalize_model_grads` is the function (as in Megatron); the module is in sys.modules
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    # ... and importing the submodule first does not turn the package's `finalize_model_grads` into it
+    from megatron.core.distributed import finalize_model_grads as function
+
+    assert function is fmg.finalize_model_grads
 
     rank = dist.get_rank()
     config = SimpleNamespace(mtp_num_layers=None, sequence_parallel=True, qk_layernorm=False)
