@@ -308,7 +308,7 @@ def local_multi_tensor_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_
         device = noop_flag.device if isinstance(noop_flag, torch.Tensor) else "cpu"
         return torch.zeros(1, dtype=torch.float32, device=device), None
     norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
-    total = torch.linalg.vector_norm(norms).reshape(1)
+    total = torch.linalg.vector_norm(norms).reshape(1)  # [] -> [1], amp_C's shape
     return total, (norms if per_tensor else None)
 
 

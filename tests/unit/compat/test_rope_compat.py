@@ -93,7 +93,9 @@ def test_apply_rotary_pos_emb_with_cos_sin_equals_apply_rotary_pos_emb(interleav
     config = SimpleNamespace(rotary_interleaved=interleaved, apply_rope_fusion=False)
     expected = apply_rotary_pos_emb(t, rope(s), config=config)
     half_angles = rope.get_freqs_non_repeated(s + 4)  # [s + 4, rot / 2]: longer tables are cut to s
-    got = apply_rotary_pos_emb_with_cos_sin(t, half_angles.cos(), half_angles.sin(), rotary_interleaved=interleaved)
+    cos, sin = rope.get_cos_sin(s + 4)
+    torch.testing.assert_close(cos, half_angles.cos())
+    got = apply_rotary_pos_emb_with_cos_sin(t, cos, sin, rotary_interleaved=interleaved)
     torch.testing.assert_close(got, expected)
     if rotary_percent < 1.0:
         torch.testing.assert_close(got[..., hn // 2:], t[..., hn // 2:])  # channels past rot pass through
