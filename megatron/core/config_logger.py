@@ -41,6 +41,7 @@ class JSONEncoderWithMcoreTypes(json.JSONEncoder):
     """JSON encoder for the values found in Megatron constructors' arguments (see the module docstring)."""
 
     def default(self, o: Any) -> Any:
+        """A JSON-able stand-in for `o` (called by `json` for every value it cannot encode itself)."""
         if isinstance(o, (dict, OrderedDict)):
             return {str(key): self._encode(value) for key, value in o.items()}
         if isinstance(o, (list, tuple, torch.nn.ModuleList)):
@@ -60,6 +61,7 @@ class JSONEncoderWithMcoreTypes(json.JSONEncoder):
             return str(o)
 
     def _encode(self, value: Any) -> Any:
+        """`value` itself when JSON holds it as is, else its stand-in."""
         if value is None or isinstance(value, (str, int, float, bool)) and not isinstance(value, enum.Enum):
             return value
         return self.default(value)
