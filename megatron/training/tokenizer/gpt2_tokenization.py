@@ -204,9 +204,6 @@ class GPT2Tokenizer:
         if "special_tokens" not in kwargs and os.path.exists(special_file):
             with open(special_file, encoding="utf-8") as stream:
                 kwargs["special_tokens"] = stream.read().split("\n")[:-1]
-        if pretrained_model_name_or_path in PRETRAINED_VOCAB_POSITIONAL_EMBEDDINGS_SIZE_MAP:
-            limit = PRETRAINED_VOCAB_POSITIONAL_EMBEDDINGS_SIZE_MAP[pretrained_model_name_or_path]
-            kwargs["max_len"] = min(kwargs.get("max_len") or int(1e12), limit)
         return cls(vocab_file, merges_file, *inputs, **kwargs)
 
     def __len__(self) -> int:
