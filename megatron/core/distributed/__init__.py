@@ -4,17 +4,22 @@ Names are Megatron Core 0.13.1's and are loaded lazily (PEP 562) so importing th
 """
 import importlib
 
+# `finalize_model_grads` is both a submodule and the function it defines. Bound lazily, the name would
+# become the module as soon as anything imported the submodule first (the import system sets the parent's
+# attribute once the submodule has loaded), e.g. `from megatron.core.distributed.finalize_model_grads import
+# _allreduce_word_embedding_grads`; bound here, after that import, it stays the function, as in Megatron.
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
 _LAZY_ATTRS = {
     "DistributedDataParallel": "megatron.core.distributed.distributed_data_parallel",
     "DistributedDataParallelConfig": "megatron.core.distributed.distributed_data_parallel_config",
-    "finalize_model_grads": "megatron.core.distributed.finalize_model_grads",
     "TorchFullyShardedDataParallel": "megatron.core.distributed.torch_fully_sharded_data_parallel",
     "ParamAndGradBuffer": "megatron.core.distributed.param_and_grad_buffer",
     "partition_buckets": "megatron.core.distributed.param_and_grad_buffer",
 }
 _RENAMED = {"ParamAndGradBuffer": "_ParamAndGradBuffer"}
 
-__all__ = list(_LAZY_ATTRS)
+__all__ = ["finalize_model_grads", *_LAZY_ATTRS]
 
 
 def __getattr__(name):
