@@ -189,10 +189,14 @@ def ensure_state(optimizer: torch.optim.Optimizer, init_state_fn, config) -> Non
 
 
 def state_tensors(optimizer: torch.optim.Optimizer, main_param: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """{'fp32_param': main param, <every param-shaped state tensor>: tensor} of one main param."""
-    tensors = {"fp32_param": main_param.detach()}
-    for name, value in optimizer.state.get(main_param, {}).items():
-        if torch.is_tensor(value) and value.shape == main_param.shape and name != "step":
+    """{'fp32_param': main param, <every param-shaped state tensor>: tensor} of one main param.
+
+    An optimizer that steps its own copy of the param (the hybrid CPU-offload optimizer) names it
+    `master_param` in the state; that copy is the fp32 param."""
+    state = optimizer.state.get(main_param, {})
+    tensors = {"fp32_param": state.get("master_param", main_param).detach()}
+    for name, value in state.items():
+        if torch.is_tensor(value) and value.shape == main_param.shape and name not in ("step", "master_param"):
             tensors[name] = value
     return tensors
 
