@@ -4,14 +4,15 @@ with and without sequence parallelism, two SGD steps each; then the TP=2 model's
 at TP=1 (the per-layer keys reshard).
 
 Tolerances as in tests/parity/test_tp_gpt_parity.py: loss 1e-6 and gradients 1e-5 relative (the TP run only
-sums in another order: split GEMMs, all-reduces).
+sums in another order: split GEMMs, all-reduces). Also at PP=2: each stage builds its own blocks (the spec is
+sliced by the stage's layer offset) and saves them under their global layer index.
 """
 import tempfile
 
 import torch
 
 from tests.harness import run_on_ranks
-from tests.unit.models.test_models_heterogeneous import batch, heterogeneous_config, heterogeneous_model
+from tests.unit.models.test_models_heterogeneous import BLOCKS, batch, heterogeneous_config, heterogeneous_model
 from tests.unit.transformer.model_setup import init_single_rank
 
 STEPS, LR = 2, 0.1
@@ -65,7 +66,27 @@ def _rank_body(directory):
     results = {name: _train(llama, sp, 2, group) for name, llama, sp in CASES}
     model = heterogeneous_model(heterogeneous_config(tensor_model_parallel_size=2))
     dist_checkpointing.save(model.sharded_state_dict(), directory)
-    return results if dist.get_rank() == 0 else None
+    return (results if dist.get_rank() == 0 else None), _pipeline_stage_layers()
+
+
+def _pipeline_stage_layers():
+    """PP=2 over the first four blocks: {global layer number: {param name: shape}} and the sharded keys of
+    this stage's layers."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
+    from tests.unit.models.test_models_heterogeneous import BLOCKS, SEQ, VOCAB
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    config = heterogeneous_config(BLOCKS[:4], pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    model = GPTModel(config, get_gpt_heterogeneous_layer_spec(config), vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    layers = {layer.layer_number: {n: tuple(p.shape) for n, p in layer.named_parameters()}
+              for layer in model.decoder.layers}
+    keys = sorted(v.key for k, v in model.sharded_state_dict().items() if k.startswith("decoder.layers."))
+    return layers, keys
 
 
 def _rel(a, b):
@@ -76,8 +97,15 @@ def test_tp2_matches_single_process_and_checkpoint_reshards():
     from megatron.core import dist_checkpointing
 
     directory = tempfile.mkdtemp(prefix="heterogeneous_tp2_")
-    results = run_on_ranks(_rank_body, 2, directory, timeout=300)[0]
+    ranks = run_on_ranks(_rank_body, 2, directory, timeout=300)
+    results = ranks[0][0]
     init_single_rank()
+    whole = heterogeneous_model(heterogeneous_config(BLOCKS[:4]))
+    want = {layer.layer_number: {n: tuple(p.shape) for n, p in layer.named_parameters()} for layer in whole.decoder.layers}
+    for rank, (_, (layers, keys)) in enumerate(ranks):
+        assert sorted(layers) == [2 * rank + 1, 2 * rank + 2], f"PP rank {rank} builds layers {sorted(layers)}"
+        assert all(layers[n] == want[n] for n in layers), f"PP rank {rank}: layer shapes differ from the JSON's"
+        assert {k.split(".")[2] for k in keys} == {str(n - 1) for n in layers}, keys
     for name, llama, sp in CASES:
         reference = _train(llama, False, 1)
         for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(results[name], reference)):

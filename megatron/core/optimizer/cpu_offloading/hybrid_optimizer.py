@@ -56,6 +56,9 @@ class _Slot:
     optimizer: Optional[torch.optim.Optimizer] = None
     """The inner optimizer that steps `master`."""
 
+    group: Optional[Dict[str, Any]] = None
+    """The param group of `optimizer` that holds `master`."""
+
     grad_buffer: Optional[torch.Tensor] = None
     """Host buffer the gradient is copied into (host slots with a copy)."""
 
@@ -200,13 +203,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         else:
             self._cpu_optimizers = [self.cpu_optimizer_cls(host_groups)] if host_groups else []
         self._sub_groups = [[] for _ in self.param_groups]
-        optimizer_of_master = {}
+        owner_of_master = {}
         for optimizer in self._cpu_optimizers + ([self._gpu_optimizer] if self._gpu_optimizer is not None else []):
             for sub_group in optimizer.param_groups:
                 self._sub_groups[group_of_master[id(sub_group["params"][0])]].append(sub_group)
-                optimizer_of_master.update((id(m), optimizer) for m in sub_group["params"])
+                owner_of_master.update((id(m), (optimizer, sub_group)) for m in sub_group["params"])
         for slot in slots.values():
-            slot.optimizer = optimizer_of_master[id(slot.master)]
+            slot.optimizer, slot.group = owner_of_master[id(slot.master)]
         device = next((p.device for p in slots if p.device.type != "cpu"), torch.device("cpu"))
         self._transfers = HostDeviceTransfers(device, self.overlap_cpu_optimizer_d2h_h2d)
         slot_of_master = {id(slot.master): slot for slot in slots.values()}
@@ -340,9 +343,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # State
     # ------------------------------------------------------------------------------------------------
 
-    def _inner_group(self, slot: _Slot) -> Dict[str, Any]:
-        return next(g for g in slot.optimizer.param_groups if any(m is slot.master for m in g["params"]))
-
     def _publish_state(self) -> None:
         """`state[param]` = the inner optimizer's state dict of that param (same object), with `master_param`."""
         state = defaultdict(dict)
@@ -361,7 +361,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for slot in self._ensure_built().values():
             entry = slot.optimizer.state[slot.master]
             if len(entry) == 0:
-                entry.update(_initial_state(slot.optimizer, self._inner_group(slot), slot.master))
+                entry.update(_initial_state(slot.optimizer, slot.group, slot.master))
         self._publish_state()
 
     def update_fp32_param_by_new_param(self) -> None:
