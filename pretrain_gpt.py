@@ -13,6 +13,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.transformer.spec_utils import import_module
 from megatron.core.utils import get_attr_wrapped_model
@@ -30,13 +31,16 @@ SPIKY_LOSS_FACTOR = 10
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage: Optional[int] = None) -> GPTModel:
-    """Build the GPT model of this pipeline stage (layer spec from --spec or --transformer-impl)."""
+    """Build the GPT model of this pipeline stage (layer spec from --spec, --heterogeneous-layers-config-path or
+    --transformer-impl)."""
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"
     if args.spec is not None:
         layer_spec = import_module(args.spec)
+    elif args.heterogeneous_layers_config_path is not None:
+        layer_spec = get_gpt_heterogeneous_layer_spec(config, use_te, vp_stage=vp_stage)
     elif use_te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(
             args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention,

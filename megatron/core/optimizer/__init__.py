@@ -5,7 +5,8 @@ by `(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)`, builds a `torch.op
 Adam is always AdamW: decoupled weight decay) or `torch.optim.SGD` over the groups, and wraps it:
 `DistributedOptimizer` with `use_distributed_optimizer`, `Float16OptimizerWithFloat16Params` for
 fp16/bf16, else `FP32Optimizer`. Expert-parallel params (`allreduce=False`) get their own optimizer
-and the two are combined in a `ChainedOptimizer`.
+and the two are combined in a `ChainedOptimizer`. With `optimizer_cpu_offload` the base optimizer is a
+`HybridDeviceOptimizer` (`cpu_offloading/`), which the distributed optimizer rebuilds over its shards.
 """
 import logging
 from typing import Callable, Dict, List, Optional
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
@@ -41,6 +43,7 @@ __all__ = [
     "FP32Optimizer",
     "ChainedOptimizer",
     "DistributedOptimizer",
+    "HybridDeviceOptimizer",
     "MegatronGradScaler",
     "ConstantGradScaler",
     "DynamicGradScaler",
@@ -79,10 +82,45 @@ def _adam_implementation_kwargs(param_groups: List[Dict]) -> Dict[str, bool]:
     return {"foreach": True}
 
 
+def _hybrid_init_state_fn(opt: HybridDeviceOptimizer, config: Optional[OptimizerConfig] = None) -> None:
+    """Create empty state for every param of a hybrid optimizer (used before loading sharded state)."""
+    opt.dummy_step()
+
+
+def _build_hybrid_optimizer(config: OptimizerConfig, param_groups: List[Dict]):
+    """Megatron's `--optimizer-cpu-offload` optimizer: torch's AdamW (or SGD) on both the host and the device
+    part, fp32 updates. Megatron's `--use-torch-optimizer-for-cpu-offload` picks the device class between TE's
+    or Apex's fused optimizer and torch's; torch's is the only one here, so it changes nothing."""
+    if config.optimizer == "adam":
+        optimizer_cls = torch.optim.AdamW
+        devices = {param.device.type for group in param_groups for param in group["params"]} | {"cpu"}
+        defaults = dict(lr=config.lr, weight_decay=config.weight_decay,
+                        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        if devices <= set(torch.utils._foreach_utils._get_fused_kernels_supported_devices()):
+            defaults["fused"] = True
+    else:
+        optimizer_cls = torch.optim.SGD
+        defaults = dict(lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum)
+    optimizer = HybridDeviceOptimizer(
+        param_groups,
+        offload_fraction=config.optimizer_offload_fraction,
+        cpu_optimizer_cls=optimizer_cls,
+        gpu_optimizer_cls=optimizer_cls,
+        param_update_in_fp32=True,
+        pin_cpu_grads=config.pin_cpu_grads,
+        pin_cpu_params=config.pin_cpu_params,
+        overlap_cpu_optimizer_d2h_h2d=config.overlap_cpu_optimizer_d2h_h2d,
+        **defaults,
+    )
+    return optimizer, _hybrid_init_state_fn
+
+
 def _build_base_optimizer(config: OptimizerConfig, param_groups: List[Dict]):
     """The torch optimizer over `param_groups` and the matching state-init function."""
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr (--lr) is None: set a learning rate")
+    if config.optimizer_cpu_offload:
+        return _build_hybrid_optimizer(config, param_groups)
     if config.optimizer == "adam":
         optimizer = torch.optim.AdamW(
             param_groups,
@@ -162,15 +200,12 @@ def _get_megatron_optimizer_based_on_param_groups(
 
 
 def _check_supported(config: OptimizerConfig) -> None:
-    errors = []
-    if config.optimizer_cpu_offload:
-        errors.append("--optimizer-cpu-offload is a Megatron-LM flag this framework does not implement yet")
-    if config.use_precision_aware_optimizer:
-        errors.append(
-            "--use-precision-aware-optimizer needs Transformer Engine's FusedAdam, which this framework does not use"
+    if config.use_precision_aware_optimizer and not config.optimizer_cpu_offload:
+        raise ValueError(
+            "OptimizerConfig.use_precision_aware_optimizer (--use-precision-aware-optimizer) without "
+            "optimizer_cpu_offload needs Transformer Engine's FusedAdam, which this framework does not use: drop "
+            "the flag, or add --optimizer-cpu-offload (the hybrid optimizer keeps the fp32 copies itself)"
         )
-    if errors:
-        raise ValueError("; ".join(errors) + ": drop the flag")
 
 
 def _dist_ready() -> bool:

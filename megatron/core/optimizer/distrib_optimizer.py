@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _timed
 from megatron.core.optimizer.sharded_state import (
     DP_ZERO_SHARDING_TYPE,
@@ -148,7 +149,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.optimizer.param_groups, self.gbuf_ranges
         )
         self._build_model_and_main_param_groups()
-        self.optimizer.param_groups = [group_range["orig_group"] for group_range in self.opt_group_ranges]
+        shard_groups = [group_range["orig_group"] for group_range in self.opt_group_ranges]
+        if isinstance(self.optimizer, HybridDeviceOptimizer):
+            # Megatron's rebuild: the hybrid optimizer splits the shards (not the full params) host/device.
+            self.optimizer = HybridDeviceOptimizer(params=shard_groups, **self.optimizer.defaults)
+        else:
+            self.optimizer.param_groups = shard_groups
 
     # ----------------------------------------------------------------------------------------------
     # Shard layout
@@ -258,7 +264,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 # [*param.shape] -> [numel], then this rank's piece.
                 shard_model_param = model_param.detach().view(-1)[param_range.start : param_range.end]
                 if model_param.dtype in (torch.float16, torch.bfloat16):
-                    shard_main_param = shard_model_param.clone().float()
+                    # The precision-aware optimizer steps the model shard itself (it keeps its own fp32 copy).
+                    precision_aware = self.config.use_precision_aware_optimizer
+                    shard_main_param = shard_model_param if precision_aware else shard_model_param.clone().float()
                     model_float16.append(model_param)
                     shard_float16.append(shard_model_param)
                     shard_main16.append(shard_main_param)
@@ -294,6 +302,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         )
         for group in itertools.chain(*groups):
             for param in group:
+                if getattr(param, "decoupled_grad", None) is not None:
+                    param.decoupled_grad = None
                 if param.grad is None:
                     continue
                 if set_to_none:
@@ -303,11 +313,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     param.grad.zero_()
 
     def _collect_main_grad_data_for_unscaling(self) -> List[torch.Tensor]:
-        return [param.grad.data for group in self.optimizer.param_groups for param in group["params"] if param.grad is not None]
+        attr = "decoupled_grad" if self.config.use_precision_aware_optimizer else "grad"
+        grads = (getattr(param, attr, None) for group in self.optimizer.param_groups for param in group["params"])
+        return [grad.data for grad in grads if grad is not None]
 
     def _get_main_params_and_model_data_float16(self):
-        """(this rank's fp32 main shards, the matching pieces of the DDP parameter buffer they are copied to)."""
+        """(this rank's fp32 main shards, the matching pieces of the DDP parameter buffer they are copied to);
+        nothing with the precision-aware optimizer, which writes the model shards itself."""
         main_params, model_data = [], []
+        if self.config.use_precision_aware_optimizer:
+            return main_params, model_data
         for model_group, main_group in zip(self.shard_float16_groups, self.shard_fp32_from_float16_groups):
             main_params.extend(main_group)
             model_data.extend(model_param.data for model_param in model_group)
@@ -323,7 +338,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 param_range = self._get_model_param_range_map(model_param)["param"]
                 # [*param.shape] -> [numel], then this rank's piece.
                 shard_grad = model_param.main_grad.view(-1)[param_range.start : param_range.end]
-                main_param.grad = shard_grad.float()
+                if self.config.use_precision_aware_optimizer:
+                    main_param.decoupled_grad = shard_grad
+                else:
+                    main_param.grad = shard_grad.float()
+
+    def _copy_model_params_to_main_params(self) -> None:
+        """Refresh main params from the model params (the hybrid optimizer refreshes its own copies)."""
+        if not self.config.use_precision_aware_optimizer:
+            super()._copy_model_params_to_main_params()
+        if isinstance(self.optimizer, HybridDeviceOptimizer):
+            self.optimizer.update_fp32_param_by_new_param()
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
@@ -492,6 +517,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _main_param_and_optimizer_states(self, model_param) -> Dict[str, torch.Tensor]:
         main_param = self.model_param_to_main_param[model_param]
         state = self.optimizer.state[main_param]
+        # The hybrid optimizer keeps the fp32 copy it steps (on the host or the device) as `master_param`.
+        main_param = state.get("master_param", main_param)
         return {"param": main_param, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
 
     def get_parameter_state_dp_zero(self) -> Optional[Dict]:

@@ -164,10 +164,15 @@ def ensure_state(optimizer: torch.optim.Optimizer, init_state_fn, config) -> Non
 
 def state_tensors(optimizer: torch.optim.Optimizer, main_param: torch.Tensor,
                   with_main_param: bool = True) -> Dict[str, torch.Tensor]:
-    """{'fp32_param': main param (when `with_main_param`), <every param-shaped state tensor>: tensor}."""
-    tensors = {"fp32_param": main_param.detach()} if with_main_param else {}
-    for name, value in optimizer.state.get(main_param, {}).items():
-        if torch.is_tensor(value) and value.shape == main_param.shape and name != "step":
+    """{'fp32_param': main param (when `with_main_param`), <every param-shaped state tensor>: tensor} of one
+    main param.
+
+    An optimizer that steps its own copy of the param (the hybrid CPU-offload optimizer) names it
+    `master_param` in the state; that copy is the fp32 param."""
+    state = optimizer.state.get(main_param, {})
+    tensors = {"fp32_param": state.get("master_param", main_param).detach()} if with_main_param else {}
+    for name, value in state.items():
+        if torch.is_tensor(value) and value.shape == main_param.shape and name not in ("step", "master_param"):
             tensors[name] = value
     return tensors
 

@@ -105,7 +105,8 @@ class TransformerBlock(MegatronModule):
         self.input_tensor = None
         self.layers = torch.nn.ModuleList(
             [
-                build_module(layer_spec, config=config, layer_number=i + 1, model_comm_pgs=model_comm_pgs, vp_stage=vp_stage)
+                build_module(layer_spec, config=self._layer_config(i), layer_number=i + 1,
+                             model_comm_pgs=model_comm_pgs, vp_stage=vp_stage)
                 for i, layer_spec in enumerate(self.submodules.layer_specs)
             ]
         )
@@ -121,6 +122,13 @@ class TransformerBlock(MegatronModule):
             for layer in self.layers:
                 compile_forward(layer)
         enable_layer_cuda_graphs(self.layers, config)
+
+    def _layer_config(self, index: int) -> TransformerConfig:
+        """The config of this stage's layer `index`: its own with heterogeneous block specs (each layer may
+        differ, `HeterogeneousTransformerConfig.get_config_for_layer`), else the block's."""
+        if not self.config.heterogeneous_block_specs:
+            return self.config
+        return self.config.get_config_for_layer(get_transformer_layer_offset(self.config, self.vp_stage) + index + 1)
 
     def _get_layer(self, layer_number: int):
         return self.layers[layer_number]
@@ -184,6 +192,8 @@ class TransformerBlock(MegatronModule):
         if sharded_offsets:
             raise ValueError(f"TransformerBlock.sharded_state_dict got unexpected sharded_offsets {sharded_offsets}")
         non_homogeneous = bool(metadata and metadata.get("non_homogeneous_layers", False))
+        # Layers that may differ cannot be stacked along one layer axis: keys carry the global layer index.
+        non_homogeneous |= self.config.heterogeneous_block_specs or self.config.hetereogenous_dist_checkpoint
         sharded = {}
         layer_prefix = f"{prefix}layers."
         for index, layer in enumerate(self.layers):

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.training.arguments.heterogeneous import derive_heterogeneous_config
 
 DEFAULT_SPLIT = "969, 30, 1"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
@@ -42,6 +43,7 @@ def derive(args):
     _derive_batch_and_data(args)
     _derive_precision(args)
     _derive_features(args)
+    derive_heterogeneous_config(args)
     args.consumed_train_samples = 0
     args.skipped_train_samples = 0
     args.consumed_valid_samples = 0

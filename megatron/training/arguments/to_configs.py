@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments._activations import openai_gelu, squared_relu
 
@@ -73,8 +74,8 @@ TRANSFORMER_RUNTIME_ONLY = {
     "disable_parameter_transpose_cache": "Transformer Engine option without a flag",
     "use_te_activation_func": "Transformer Engine option without a flag",
     "use_mamba_mem_eff_path": "Mamba option (Mamba flags are rejected)",
-    "heterogeneous_block_specs": "heterogeneous models (their flags are rejected)",
-    "hetereogenous_dist_checkpoint": "heterogeneous models (their flags are rejected)",
+    "heterogeneous_block_specs": "set by HeterogeneousTransformerConfig (--heterogeneous-layers-config-path)",
+    "hetereogenous_dist_checkpoint": "no Megatron flag; heterogeneous configs always save per-layer keys",
 }
 
 OPTIMIZER_RENAMES: Dict[str, str] = {}
@@ -143,8 +144,12 @@ def _transformer_renames(args) -> Dict[str, Any]:
 
 
 def core_transformer_config_from_args(args, config_class=None):
-    """Megatron-LM's `core_transformer_config_from_args`: a `TransformerConfig` (or `config_class`) from args."""
+    """Megatron-LM's `core_transformer_config_from_args`: a `TransformerConfig` (or `config_class`) from args;
+    a `HeterogeneousTransformerConfig` with --heterogeneous-layers-config-path (as in Megatron, whatever
+    `config_class` says)."""
     config_class = config_class or TransformerConfig
+    if getattr(args, "heterogeneous_layers_config_path", None) is not None:
+        config_class = HeterogeneousTransformerConfig
     kwargs = _same_named(args, config_class)
     kwargs.update(_only_existing(_transformer_renames(args), config_class))
     return config_class(**kwargs)

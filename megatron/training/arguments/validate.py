@@ -18,6 +18,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 from megatron.core.utils import module_available
 from megatron.training.arguments.derive import derive, derived_ffn_hidden_size
 from megatron.training.arguments.errors import ArgumentsError
+from megatron.training.arguments.heterogeneous import heterogeneous_config_problems
 from megatron.training.arguments.manifest import rejected_flag_problems
 from megatron.training.arguments.parser import UNKNOWN_ARGS_ATTR, _print_args, megatron_actions
 
@@ -387,6 +388,26 @@ def _distributed_optimizer_instances_problems(args) -> List[str]:
     return problems
 
 
+def _validate_optimizer_cpu_offload(args) -> List[str]:
+    """Megatron-LM's rules: the hybrid CPU optimizer runs on the precision-aware optimizer's code path (the
+    optimizer steps the model shards and keeps fp32 copies itself), which needs Adam and the distributed
+    optimizer. Without the offload that path is Transformer Engine's FusedAdam, which is not used here."""
+    problems = []
+    if args.optimizer_cpu_offload and not args.use_precision_aware_optimizer:
+        problems.append("--optimizer-cpu-offload needs --use-precision-aware-optimizer (as in Megatron-LM, the hybrid "
+                        "CPU optimizer reuses its code path): add --use-precision-aware-optimizer.")
+    if args.use_precision_aware_optimizer:
+        if args.optimizer != "adam":
+            problems.append(f"--use-precision-aware-optimizer needs --optimizer adam (got --optimizer {args.optimizer}).")
+        if not args.use_distributed_optimizer:
+            problems.append("--use-precision-aware-optimizer needs --use-distributed-optimizer: add it.")
+        if not args.optimizer_cpu_offload:
+            problems.append("--use-precision-aware-optimizer without --optimizer-cpu-offload needs Transformer "
+                            "Engine's FusedAdam, which this framework does not use: add --optimizer-cpu-offload "
+                            "(the hybrid optimizer keeps fp32 master params) or drop the flag.")
+    return problems
+
+
 def _fsdp2_problems(args) -> List[str]:
     rules = [
         (args.pipeline_model_parallel_size > 1,
@@ -572,5 +593,5 @@ VALIDATORS = (
     _validate_required, _validate_sizes, _validate_batch, _validate_training_length, _validate_data,
     _validate_shape, _validate_pipeline, _validate_p2p, _validate_overlap_and_sharding, _validate_precision,
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
-    _validate_cuda_graph, _validate_tp_comm_overlap,
+    _validate_cuda_graph, _validate_tp_comm_overlap, _validate_optimizer_cpu_offload, heterogeneous_config_problems,
 )

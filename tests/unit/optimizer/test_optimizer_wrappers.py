@@ -331,7 +331,8 @@ def test_unsupported_settings_raise():
     with pytest.raises(ValueError, match="--lr"):
         get_megatron_optimizer(OptimizerConfig(), [_model()])
     with pytest.raises(ValueError, match="--optimizer-cpu-offload"):
-        get_megatron_optimizer(OptimizerConfig(lr=1.0, optimizer_cpu_offload=True), [_model()])
+        config = OptimizerConfig(lr=1.0, use_precision_aware_optimizer=True, use_distributed_optimizer=True)
+        get_megatron_optimizer(config, [_model()])
     with pytest.raises(ValueError) as err:
         OptimizerConfig(fp16=True, bf16=True, optimizer="lamb", exp_avg_dtype=torch.bfloat16)
     for needle in ("mutually exclusive", "'lamb'", "exp_avg_dtype"):
