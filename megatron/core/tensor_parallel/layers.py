@@ -590,6 +590,17 @@ class _ParallelLinearBase(torch.nn.Module):
         """No extra state; the `_extra_state` key keeps state dicts compatible with Transformer Engine layers."""
         return None
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """An absent `_extra_state` is not a missing key: it carries no data here, and Megatron's checkpoints
+        omit some of them (`output_layer._extra_state` is never saved), so a strict load of such a state dict
+        works as it does with Megatron's layers."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        extra_key = prefix + "_extra_state"
+        if extra_key not in state_dict and extra_key in missing_keys:
+            missing_keys.remove(extra_key)
+
 
 class ColumnParallelLinear(_ParallelLinearBase):
     """`Y = X A + b` with A split along its output dim: weight `[output_size/tp, input_size]`.
