@@ -1,9 +1,8 @@
 """Small helpers shared by every part of Megatron Core.
 
-This module sits at the bottom of the import graph: it imports nothing from `megatron.core` except
-enums, so any module may import it.
+This module sits at the bottom of the import graph: it imports nothing from `megatron.core` but the
+re-export table (`megatron.core.reexports`), so any module may import it.
 """
-import importlib
 import importlib.util
 import math
 from functools import lru_cache
@@ -11,6 +10,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from packaging.version import Version
+
+from megatron.core.reexports import lazy_attribute
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
@@ -134,21 +135,7 @@ def get_torch_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# Megatron exposes these from `megatron.core.utils`; they live higher in the import graph, so they are
-# resolved lazily (PEP 562) to keep this module at the bottom of it.
-_LAZY_REEXPORTS = {
-    "get_pg_size": "megatron.core.process_groups_config",
-    "get_pg_rank": "megatron.core.process_groups_config",
-    "get_tensor_model_parallel_group_if_none": "megatron.core.process_groups_config",
-    "make_tp_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.utils",
-    "make_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.utils",
-    "GlobalMemoryBuffer": "megatron.core.parallel_state",
-}
-
-
+# Megatron also exposes names from here that live higher in the import graph (`get_pg_size`, ...); they
+# are resolved lazily (PEP 562) from the table in `megatron.core.reexports`.
 def __getattr__(name):
-    if name in _LAZY_REEXPORTS:
-        value = getattr(importlib.import_module(_LAZY_REEXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'megatron.core.utils' has no attribute {name!r}")
+    return lazy_attribute(__name__, name)
