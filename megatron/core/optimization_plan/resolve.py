@@ -167,11 +167,12 @@ def _fp8(config, device: DeviceFacts, problems: List[str]) -> Decision:
     recipe = Fp8Recipe.from_config(config)
     if recipe is None:
         return Decision(None, "no --fp8-format")
-    native = device.cuda and (device.compute_capability or (0, 0)) >= (8, 9)
-    if native:
-        gemms = f"torch._scaled_mm on compute capability {device.compute_capability[0]}.{device.compute_capability[1]}"
+    capability = device.compute_capability
+    shown_capability = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+    if device.cuda and capability is not None and tuple(capability) >= (8, 9):
+        gemms = f"torch._scaled_mm on compute capability {shown_capability}"
     else:
-        where = f"compute capability {device.compute_capability}" if device.cuda else "no CUDA device"
+        where = f"compute capability {shown_capability}" if device.cuda else "no CUDA device"
         gemms = f"fp32 emulation of the same numbers ({where}: no FP8 tensor cores)"
     scaling = recipe.recipe
     if recipe.recipe == "delayed":
