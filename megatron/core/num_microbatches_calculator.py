@@ -63,7 +63,8 @@ def init_num_microbatches_calculator(
     data_parallel_size: int,
     decrease_batch_size_if_needed: bool = False,
 ) -> None:
-    """Create the global calculator; raises RuntimeError if one already exists."""
+    """Create the global calculator; a second call (without destroy) raises, as Megatron's assertion does,
+    and leaves the first calculator in place."""
     _configure_global_num_microbatches_calculator(
         rank,
         rampup_batch_size,
@@ -104,12 +105,17 @@ def _get_calculator() -> "NumMicroBatchesCalculator":
     return _GLOBAL_NUM_MICROBATCHES_CALCULATOR
 
 
+class CalculatorAlreadyInitializedError(RuntimeError, AssertionError):
+    """Raised by a second `init_num_microbatches_calculator` call. Megatron asserts there, so code written
+    for it (e.g. `pytest.raises(AssertionError)`) catches this too."""
+
+
 def _configure_global_num_microbatches_calculator(
     rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, init
 ):
     global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
     if init and _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
-        raise RuntimeError(
+        raise CalculatorAlreadyInitializedError(
             "num microbatches calculator is already initialized: call destroy_num_microbatches_calculator() "
             "first, or reconfigure_num_microbatches_calculator(...) to replace it"
         )

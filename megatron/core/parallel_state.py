@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from megatron.core.rank_generator import (
     RankGenerator,
+    build_rank_generators,
     check_parallel_sizes,
     hierarchical_context_parallel_rank_lists,
+    intra_distributed_optimizer_instance_rank_lists,
     partial_data_parallel_rank_lists,
 )
 
@@ -197,26 +199,25 @@ def initialize_model_parallel(
     tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
                       expert_model_parallel_size)
     etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
-    dp = check_parallel_sizes(world_size, tp, pp, cp, ep, etp, num_distributed_optimizer_instances,
-                      encoder_tensor_model_parallel_size, encoder_pipeline_model_parallel_size, order)
+    check_parallel_sizes(world_size, tp, pp, cp, ep, etp, num_distributed_optimizer_instances,
+                         encoder_tensor_model_parallel_size, encoder_pipeline_model_parallel_size, order)
     if hierarchical_context_parallel_sizes and functools.reduce(operator.mul, hierarchical_context_parallel_sizes) != cp:
         raise ValueError(
             f"hierarchical_context_parallel_sizes {hierarchical_context_parallel_sizes} must multiply to "
             f"context_parallel_size ({cp})"
         )
+    if virtual_pipeline_model_parallel_size is not None and pp <= 1:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) needs "
+            f"pipeline_model_parallel_size > 1 (got {pp}): the interleaved schedule splits a pipeline"
+        )
+    decoder, expert = build_rank_generators(world_size, tp, pp, cp, ep, etp, order)
     destroy_model_parallel()
     state = _STATE
     if virtual_pipeline_model_parallel_size is not None:
         state.virtual_pipeline_rank = 0
         state.virtual_pipeline_world_size = virtual_pipeline_model_parallel_size
     state.pipeline_split_rank = pipeline_model_parallel_split_rank
-    decoder = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
-    expert = RankGenerator(tp=etp, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, cp=1, order=order)
-    if decoder.get_ranks("pp") != expert.get_ranks("pp"):
-        raise ValueError(
-            f"order {order!r}: the expert layout's pipeline groups must equal the dense layout's; "
-            "choose expert sizes that keep pipeline groups aligned"
-        )
     state.rank_generators = {"decoder": decoder, "expert": expert}
     builder = _GroupBuilder(state, timedelta(minutes=distributed_timeout_minutes), create_gloo_process_groups)
     _build_data_parallel_groups(builder, decoder, num_distributed_optimizer_instances)
@@ -276,29 +277,17 @@ def _build_expert_groups(builder: _GroupBuilder, gen: RankGenerator, num_instanc
     builder.build("expt_dp", expt_dp_lists)
     state = builder.state
     if num_instances > 1:
+        # Megatron builds one inter-instance group, from the expert DP lists, and uses it for dense
+        # parameters too.
         intra, inter = partial_data_parallel_rank_lists(expt_dp_lists, num_instances)
         builder.build("intra_partial_expt_dp", intra)
         builder.build("inter_partial_expt_dp", inter)
-        instance_lists = []
-        for ranks in intra:
-            members = sorted(r for member in ranks for r in _tp_ep_pp_members(gen, member))
-            if members not in instance_lists:
-                instance_lists.append(members)
-        builder.build("intra_dist_opt", instance_lists)
     else:
         state.groups["intra_partial_expt_dp"] = state.groups["expt_dp"]
         state.global_ranks["intra_partial_expt_dp"] = state.global_ranks["expt_dp"]
         if "expt_dp_gloo" in state.groups:
             state.groups["intra_partial_expt_dp_gloo"] = state.groups["expt_dp_gloo"]
-        state.groups["intra_dist_opt"] = dist.group.WORLD
-        state.global_ranks["intra_dist_opt"] = list(range(dist.get_world_size()))
-
-
-def _tp_ep_pp_members(gen: RankGenerator, rank: int) -> List[int]:
-    for ranks in gen.get_ranks("tp-ep-pp"):
-        if rank in ranks:
-            return ranks
-    return [rank]
+    builder.build("intra_dist_opt", intra_distributed_optimizer_instance_rank_lists(gen, num_instances))
 
 
 def destroy_model_parallel() -> None:
@@ -551,16 +540,21 @@ def get_data_parallel_group_gloo(with_context_parallel=False, partial_data_paral
 
 
 def get_inter_partial_data_parallel_group():
+    """Same-position ranks of the dense partial DP groups (an older Megatron getter; DDP and the optimizer
+    use `get_inter_distributed_optimizer_instance_group`, as Megatron 0.13 does)."""
     return _group("inter_partial_dp", what="inter partial data parallel")
 
 
 def get_intra_distributed_optimizer_instance_group(check_initialized=True):
-    """All ranks of this rank's distributed-optimizer instance (the world with one instance)."""
+    """All ranks of this rank's distributed-optimizer instance (every rank with one instance), members
+    in Megatron's order: the expert tensor x expert x pipeline groups one after another."""
     return _group("intra_dist_opt", check_initialized, "intra distributed optimizer instance")
 
 
 def get_inter_distributed_optimizer_instance_group(check_initialized=True):
-    """Group joining the same position of every distributed-optimizer instance (None with one instance)."""
+    """Group joining the same position of every distributed-optimizer instance (None with one instance).
+
+    Built from the expert data-parallel groups and shared by dense and expert parameters (Megatron's choice)."""
     if check_initialized and _STATE.groups.get("inter_partial_expt_dp") is None:
         raise RuntimeError("inter distributed optimizer instance group exists only with num_distributed_optimizer_instances > 1")
     return _STATE.groups.get("inter_partial_expt_dp")

@@ -32,7 +32,7 @@ _GRAD_GROUP_GETTERS = {
     "intra_expt_dp": lambda: parallel_state.get_expert_data_parallel_group(
         check_initialized=False, partial_expert_data_parallel=True
     ),
-    "inter_dist_opt": lambda: parallel_state._STATE.groups.get("inter_partial_dp"),
+    "inter_dist_opt": lambda: parallel_state.get_inter_distributed_optimizer_instance_group(check_initialized=False),
 }
 
 

@@ -5,13 +5,15 @@ Nothing here touches `torch.distributed`, so layouts of any size are unit-tested
 Layout note: the parallel dimensions are laid out like the axes of a C-ordered array read backwards,
 i.e. the FIRST token of `order` varies fastest. With the default `tp-cp-ep-dp-pp`:
 `global_rank = tp + cp*TP + dp*TP*CP + pp*TP*CP*DP` (EP is 1 in the dense layout).
+
+Orders (Megatron's rules): any '-'-joined arrangement of tp, cp, ep, dp, pp is accepted; a dimension
+of size 1 may be left out (it is appended), one of size > 1 may not. The dense generator has ep = 1 and
+the expert generator cp = 1, both read the same order, and `initialize_model_parallel` requires their
+pipeline groups to coincide (with an order that does not end in pp, also the same DP size).
 """
 import functools
 import operator
 from typing import Dict, List, Sequence
-
-SUPPORTED_ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
-"""Orders accepted by `initialize_model_parallel(order=...)` (Megatron's default and --use-tp-pp-dp-mapping)."""
 
 _DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -140,8 +142,7 @@ def check_parallel_sizes(world_size, tp, pp, cp, ep, etp, num_instances, encoder
             f"encoder_tensor_model_parallel_size ({encoder_tp}) / encoder_pipeline_model_parallel_size "
             f"({encoder_pp}): a separate encoder pipeline is not supported; leave both at 0"
         )
-    if order not in SUPPORTED_ORDERS:
-        errors.append(f"order {order!r} is not supported: use one of {list(SUPPORTED_ORDERS)}")
+    errors.extend(_order_problems(order))
     if not errors and world_size % (tp * pp * cp) != 0:
         errors.append(
             f"world size ({world_size}) must be divisible by tensor ({tp}) x pipeline ({pp}) x context ({cp}) "
@@ -166,6 +167,62 @@ def check_parallel_sizes(world_size, tp, pp, cp, ep, etp, num_instances, encoder
     if errors:
         raise ValueError("initialize_model_parallel: invalid parallel layout:\n  - " + "\n  - ".join(errors))
     return dp
+
+
+def _order_problems(order: str) -> List[str]:
+    """Spelling problems of an order string (sizes are checked when the generators are built)."""
+    if not isinstance(order, str) or not order:
+        return [f"order ({order!r}) must be a non-empty '-'-joined list of {list(_DIMENSIONS)}"]
+    tokens = order.lower().split("-")
+    unknown = [t for t in tokens if t not in _DIMENSIONS]
+    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+    if unknown or repeated:
+        return [f"order {order!r} must name each of {list(_DIMENSIONS)} at most once (unknown: {unknown}, "
+                f"repeated: {repeated})"]
+    return []
+
+
+def build_rank_generators(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int, order: str):
+    """The dense (ep = 1) and expert (cp = 1) generators of a layout, checked the way Megatron checks them.
+
+    Raises ValueError when the order leaves out a dimension of size > 1, when an order not ending in pp
+    would give the expert layout another DP size, or when the two layouts' pipeline groups differ.
+    """
+    dp = world_size // (tp * pp * cp)
+    expert_dp = world_size // (etp * ep * pp)
+    errors = []
+    generators = []
+    for kind, sizes in (("dense", dict(tp=tp, ep=1, dp=dp, pp=pp, cp=cp)),
+                        ("expert", dict(tp=etp, ep=ep, dp=expert_dp, pp=pp, cp=1))):
+        try:
+            generators.append(RankGenerator(order=order, **sizes))
+        except ValueError as err:
+            errors.append(f"{kind} layout: {err}")
+    if not errors and not (order.lower().endswith("pp") or pp == 1 or expert_dp == dp):
+        errors.append(
+            f"order {order!r} does not end in 'pp': the expert data-parallel size ({expert_dp}) must then equal "
+            f"the data-parallel size ({dp}); change the expert sizes or use an order ending in pp"
+        )
+    if not errors and generators[0].get_ranks("pp") != generators[1].get_ranks("pp"):
+        errors.append(
+            f"order {order!r}: the expert layout's pipeline groups must equal the dense layout's; "
+            "choose expert sizes that keep pipeline groups aligned"
+        )
+    if errors:
+        raise ValueError("initialize_model_parallel: invalid parallel layout:\n  - " + "\n  - ".join(errors))
+    return generators[0], generators[1]
+
+
+def intra_distributed_optimizer_instance_rank_lists(expert_gen: "RankGenerator", num_instances: int):
+    """Ranks of every distributed-optimizer instance, as Megatron builds them: the expert layout's
+    tensor x expert x pipeline groups taken in order and concatenated, expert-DP / instances at a time
+    (so the member order is group by group, not sorted)."""
+    groups = expert_gen.get_ranks("tp-ep-pp")
+    per_instance = expert_gen.dp // num_instances
+    return [
+        [rank for group in groups[i:i + per_instance] for rank in group]
+        for i in range(0, len(groups), per_instance)
+    ]
 
 
 def partial_data_parallel_rank_lists(rank_lists: List[List[int]], num_instances: int):

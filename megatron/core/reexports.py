@@ -55,7 +55,6 @@ LAZY_ATTRIBUTES: Dict[str, Dict[str, str]] = {
         "DistributedDataParallel": "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel",
         "DistributedDataParallelConfig":
             "megatron.core.distributed.distributed_data_parallel_config:DistributedDataParallelConfig",
-        "finalize_model_grads": "megatron.core.distributed.finalize_model_grads:finalize_model_grads",
         "TorchFullyShardedDataParallel":
             "megatron.core.distributed.torch_fully_sharded_data_parallel:TorchFullyShardedDataParallel",
         "ParamAndGradBuffer": "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer",

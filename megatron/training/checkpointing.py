@@ -12,14 +12,16 @@ Design notes:
 - Atomic save. Every rank writes into `<save>/.tmp_iter_{:07d}/`; once the data is complete rank 0 renames it
   to `iter_{:07d}` and only then replaces the tracker (temp file + `os.replace`). A crash at any point leaves
   the previous tracker and iteration directory untouched; the temp directory never looks like a checkpoint.
-- No pickles. Files are loaded with `torch.load(weights_only=True)` or the restricted unpickler of
-  `megatron.core.dist_checkpointing.safe_load` (Megatron-LM files with a pickled Namespace); args are stored
-  as plain data (`checkpoint_args.py`), RNG states as tensors and builtin types.
+- Megatron-LM's contents, read safely. Files hold what Megatron-LM 0.13.1 writes (args as an argparse
+  Namespace, Python's and numpy's native RNG states, the rerun state machine's enums), so checkpoints move
+  between the two frameworks in both directions; they are read with the restricted unpickler of
+  `megatron.core.dist_checkpointing.safe_load`, which allows exactly those types by name (nothing executes).
 """
 import os
 import random
 import shutil
 import sys
+from enum import Enum, auto
 
 import numpy as np
 import torch
@@ -30,9 +32,11 @@ from megatron.core.num_microbatches_calculator import update_num_microbatches
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training import wandb_utils
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
-from megatron.training.checkpoint_args import args_to_plain_dict
 from megatron.training.checkpointing_dist import (
+    load_model_chunk,
+    args_for_checkpoint,
     checkpoint_args_namespace,
+    content_metadata,
     generate_sharded_state_dict,
     get_checkpoint_format,
     is_empty_async_queue,
@@ -53,6 +57,24 @@ from megatron.training.checkpointing_local import (
 )
 from megatron.training.global_vars import get_args, get_wandb_writer
 from megatron.training.utils import is_last_rank, print_rank_0, unwrap_model
+
+class CheckpointType(Enum):
+    """Megatron's kinds of checkpoint: the legacy per-rank `torch` files, node-local non-persistent files, a
+    global distributed (`torch_dist`) checkpoint, and plain `torch.distributed.checkpoint` (`torch_dcp`)."""
+
+    LEGACY = auto()
+    LOCAL = auto()
+    GLOBAL = auto()
+    TORCH_DCP = auto()
+
+
+def checkpoint_type(ckpt_format: str, non_persistent_ckpt_type: str = None) -> CheckpointType:
+    """The CheckpointType of a save or load in `ckpt_format` (a local non-persistent one when asked)."""
+    if non_persistent_ckpt_type == "local":
+        return CheckpointType.LOCAL
+    return {"torch_dist": CheckpointType.GLOBAL, "torch_dcp": CheckpointType.TORCH_DCP}.get(
+        ckpt_format, CheckpointType.LEGACY)
+
 
 _CHECKPOINT_VERSION = None
 _TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -175,24 +197,19 @@ def _writes_model_file() -> bool:
     return mpu.get_expert_data_parallel_rank() == 0
 
 
-def _np_state_to_plain(state):
-    name, keys, pos, has_gauss, cached = state
-    return [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
-
-
 def _np_state_from_plain(state):
-    """Ours stores the key array as a tensor; Megatron-LM's checkpoints hold numpy's own tuple."""
+    """numpy's own state tuple; this framework's older files stored the key array as a tensor in a list."""
     name, keys, pos, has_gauss, cached = state
     keys = keys.numpy() if torch.is_tensor(keys) else np.asarray(keys)
     return (name, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached))
 
 
 def _local_rng_state():
-    """This rank's Python, numpy, torch, CUDA and tensor-parallel tracker RNG states (plain data)."""
-    version, internal, gauss = random.getstate()
+    """This rank's Python, numpy, torch, CUDA and tensor-parallel tracker RNG states, in Megatron's form (the
+    generators' own state objects)."""
     return {
-        "random_rng_state": [version, list(internal), gauss],
-        "np_rng_state": _np_state_to_plain(np.random.get_state()),
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
@@ -200,17 +217,18 @@ def _local_rng_state():
 
 
 def get_rng_state(ckpt_format="torch"):
-    """This rank's RNG states: for `torch` a list (one entry per DP rank with --data-parallel-random-init,
-    else one); for `torch_dist` the ShardedObject `rng_state`."""
+    """This rank's RNG states as Megatron stores them: a list (one entry per DP rank, gathered over the DP group,
+    with --data-parallel-random-init, else this rank's one); for `torch_dist` that list as the ShardedObject
+    `rng_state` on the (PP, TP) grid, DP rank 0 writing it."""
     args = get_args()
     state = _local_rng_state()
-    if ckpt_format == "torch_dist":
-        return sharded_rng_state(args, state)
+    states = [state]
     if _dist_ready() and mpu.get_data_parallel_world_size() > 1 and args.data_parallel_random_init:
         states = [None] * mpu.get_data_parallel_world_size()
         torch.distributed.all_gather_object(states, state, group=mpu.get_data_parallel_group())
-        return states
-    return [state]
+    if ckpt_format == "torch_dist":
+        return sharded_rng_state(args, states)
+    return states
 
 
 def _set_rng_state(state):
@@ -233,8 +251,8 @@ def _model_state_dict(model_chunk):
 
 def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None,
                         optim_sd_kwargs=None, model_sd_kwargs=None, rerun_state=None):
-    """The §4c state dict of one rank (args as plain data)."""
-    state_dict = {"args": args_to_plain_dict(args), "checkpoint_version": 3.0}
+    """The §4c state dict of one rank."""
+    state_dict = {"args": args_for_checkpoint(args), "checkpoint_version": 3.0}
     if iteration is not None:
         state_dict["iteration"] = iteration
     if len(model) == 1:
@@ -294,15 +312,16 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     args = get_args()
     model = model if isinstance(model, list) else [model]
     save_dir = args.save
-    ckpt_format = args.ckpt_format if args.ckpt_format in ("torch_dist", "torch_dcp") else "torch"
-    if non_persistent_ckpt and args.non_persistent_ckpt_type == "local":
+    ckpt_type = checkpoint_type(args.ckpt_format, args.non_persistent_ckpt_type if non_persistent_ckpt else None)
+    if ckpt_type == CheckpointType.LOCAL:
         save_local_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                               generate_state_dict, _local_rng_state())
         return
     if non_persistent_ckpt:
-        save_dir, ckpt_format = non_persistent_dir(args, args.save), "torch_dist"
+        save_dir, ckpt_type = non_persistent_dir(args, args.save), CheckpointType.GLOBAL
         if _rank() == 0:
             os.makedirs(save_dir, exist_ok=True)
+    ckpt_format = {CheckpointType.GLOBAL: "torch_dist", CheckpointType.TORCH_DCP: "torch_dcp"}.get(ckpt_type, "torch")
     maybe_finalize_async_save(blocking=False)
     print_rank_0("saving checkpoint at iteration {:7d} to {} in {} format".format(iteration, save_dir, ckpt_format))
     tmp_dir = _temp_dir(save_dir, iteration)
@@ -310,12 +329,12 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         shutil.rmtree(tmp_dir, ignore_errors=True)
         os.makedirs(tmp_dir, exist_ok=True)
     _barrier()
-    if ckpt_format == "torch_dist":
+    if ckpt_type == CheckpointType.GLOBAL:
         _save_torch_dist(args, iteration, model, optimizer, opt_param_scheduler,
-                         num_floating_point_operations_so_far, save_dir, non_persistent_ckpt)
+                         num_floating_point_operations_so_far, save_dir, non_persistent_ckpt, train_data_iterator)
         return
     rng_state = get_rng_state()
-    if ckpt_format == "torch_dcp":
+    if ckpt_type == CheckpointType.TORCH_DCP:
         final_dir = get_checkpoint_name(save_dir, iteration, return_base_dir=True)
         save_torch_dcp(args, model, optimizer, opt_param_scheduler, None if args.no_save_rng else rng_state,
                        iteration, num_floating_point_operations_so_far, tmp_dir,
@@ -355,13 +374,15 @@ def _publish_and_report(save_dir, iteration, checkpoint_name):
 
 
 def _save_torch_dist(args, iteration, model, optimizer, opt_param_scheduler, num_flops, save_dir,
-                     non_persistent=False):
+                     non_persistent=False, train_data_iterator=None):
     """Sharded save into the temp dir; publishing (rename + tracker) runs once the data is durable.
     A non-persistent save then removes the older non-persistent iterations."""
     rng_state = None if args.no_save_rng else get_rng_state("torch_dist")
+    rerun_state = get_rerun_state_machine().state_dict(data_iterator=train_data_iterator, ckpt_format="torch_dist")
     state_dict = generate_sharded_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
                                              iteration=iteration, include_optimizer=not args.no_save_optim,
-                                             num_flops=float(num_flops or 0.0))
+                                             num_flops=float(num_flops or 0.0), rerun_state=rerun_state,
+                                             optim_sd_kwargs={"metadata": content_metadata(args)})
     final_dir = get_checkpoint_name(save_dir, iteration, return_base_dir=True)
 
     def publish():
@@ -580,16 +601,16 @@ def _restore_args_state(args, state_dict, compare_parallel_sizes=True):
         print_rank_0("could not find arguments in the checkpoint ...")
 
 
-def _load_model(model, state_dict, strict):
+def _load_model(model, state_dict, strict, where="the checkpoint"):
     unwrapped = unwrap_model(model)
     if len(unwrapped) == 1:
-        unwrapped[0].load_state_dict(state_dict["model"], strict=strict)
+        load_model_chunk(unwrapped[0], state_dict["model"], strict, where)
         return
     for i, chunk in enumerate(unwrapped):
         key = "model%d" % i
         if key not in state_dict:
             raise KeyError(f"the checkpoint has no {key!r} entry for virtual pipeline chunk {i}")
-        chunk.load_state_dict(state_dict[key], strict=strict)
+        load_model_chunk(chunk, state_dict[key], strict, where)
 
 
 def _load_optimizer(args, optimizer, opt_param_scheduler, state_dict, checkpoint_name, release):
@@ -642,7 +663,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         return 0, 0
     base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     ckpt_format = _detect_format(args, base_dir)
-    if ckpt_format in ("torch_dist", "torch_dcp"):
+    if checkpoint_type(ckpt_format) != CheckpointType.LEGACY:
         return _load_distributed(ckpt_format, args, model, optimizer, opt_param_scheduler, load_dir, base_dir,
                                  iteration, release, strict)
     state_dict, checkpoint_name = _load_base_checkpoint(load_dir, args, iteration, release)
@@ -657,9 +678,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
     num_flops = state_dict.get("num_floating_point_operations_so_far", 0)
     _restore_args_state(args, state_dict)
     if not skip_load_to_model_and_opt:
-        _load_model(model, state_dict, strict)
+        _load_model(model, state_dict, strict, checkpoint_name)
     _load_optimizer(args, optimizer, opt_param_scheduler, state_dict, checkpoint_name, release)
     _load_rng(args, state_dict, checkpoint_name, release)
+    if not (release or args.finetune) and isinstance(state_dict.get("rerun_state_machine"), dict):
+        get_rerun_state_machine().load_state_dict(state_dict["rerun_state_machine"])
     _barrier()
     _report_loaded(load_dir, iteration)
     return iteration, num_flops
@@ -700,9 +723,12 @@ def _load_distributed(ckpt_format, args, model, optimizer, opt_param_scheduler, 
     print_rank_0(f" loading {ckpt_format} checkpoint from {load_dir} at iteration {iteration}")
     load_optim = not (release or args.finetune or args.no_load_optim)
     load_rng = not (release or args.finetune or args.no_load_rng)
-    loader = load_sharded if ckpt_format == "torch_dist" else load_torch_dcp
-    state_dict = loader(args, model, optimizer, opt_param_scheduler, base_dir, load_optim, load_rng,
-                        _local_rng_state(), strict)
+    if ckpt_format == "torch_dist":
+        state_dict = load_sharded(args, model, optimizer, opt_param_scheduler, base_dir, load_optim, load_rng,
+                                  _local_rng_state(), strict, load_rerun=not (release or args.finetune))
+    else:
+        state_dict = load_torch_dcp(args, model, optimizer, opt_param_scheduler, base_dir, load_optim, load_rng,
+                                    _local_rng_state(), strict)
     set_checkpoint_version(state_dict.get("checkpoint_version", 0))
     if args.finetune or release:
         iteration = 0
@@ -741,7 +767,7 @@ def maybe_convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler):
 
 
 __all__ = [
-    "save_checkpoint", "load_checkpoint", "load_args_from_checkpoint", "get_checkpoint_name",
+    "CheckpointType", "checkpoint_type", "save_checkpoint", "load_checkpoint", "load_args_from_checkpoint", "get_checkpoint_name",
     "get_checkpoint_tracker_filename", "read_metadata", "checkpoint_exists", "get_rng_state", "generate_state_dict",
     "maybe_finalize_async_save", "is_empty_async_queue", "maybe_convert_checkpoint_and_exit", "get_checkpoint_format",
 ]

@@ -2,11 +2,13 @@
 plain `torch_dcp`, and format detection.
 
 Layout (spec §4c): `<save>/iter_{:07d}/` with `common.pt`, `.metadata`, `__{rank}_{k}.distcp` and
-`metadata.json` (written last by `megatron.core.dist_checkpointing`). The state dict is Megatron's
-`generate_state_dict` with sharded values: `model` (or `model0`, `model1`, ... per virtual-pipeline chunk)
-from `sharded_state_dict()`, `optimizer` from `optimizer.sharded_state_dict(model_sd, is_loading)`
-(model-space keys, reshardable), `rng_state` as a ShardedObject of shape (PP, TP) (plus DP with
---data-parallel-random-init), the scheduler, args as plain data, iteration and FLOPs in `common.pt`.
+`metadata.json` (written last by `megatron.core.dist_checkpointing`). The state dict is Megatron-LM 0.13.1's
+`generate_state_dict` with sharded values, key for key: `model` (or `model0`, `model1`, ... per
+virtual-pipeline chunk) from `sharded_state_dict()`, `optimizer` from `optimizer.sharded_state_dict(model_sd,
+is_loading, metadata=content metadata)`, `rng_state` as a ShardedObject of shape (PP, TP) (plus DP with
+--data-parallel-random-init), `rerun_state_machine` (its mode in `common.pt`, the per-rank part as the
+ShardedObject `rerun_state_machine_state`), the scheduler, args (an argparse.Namespace of plain values, dtypes
+and enums, as Megatron pickles it), iteration, FLOPs and `content_metadata` in `common.pt`.
 
 Design note (publish, then track): every rank writes into `<save>/.tmp_iter_{:07d}/`; after the library's
 finalize step has written `metadata.json`, rank 0 renames the directory to `iter_{:07d}` and only then
@@ -24,21 +26,25 @@ Published like the other formats: temp dir, rename, tracker last.
 """
 import argparse
 import copy
+import enum
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.safe_load import MEGATRON_CLASSES
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies import torch_dcp
 from megatron.core.dist_checkpointing.strategies.torch import read_dcp_metadata
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.optimizer.sharded_state import DP_ZERO_SHARDING_TYPE, SHARDING_TYPE, SHARDING_TYPE_KEY, ensure_state
-from megatron.training.checkpoint_args import args_to_plain_dict, plain_dict_to_args
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.training.checkpoint_args import args_to_plain_dict, plain_dict_to_args, to_plain
 from megatron.training.utils import print_rank_0, unwrap_model
 
 _ASYNC_QUEUE: Optional[AsyncCallsQueue] = None
@@ -58,6 +64,27 @@ def get_checkpoint_format(checkpoint_dir: str) -> Optional[str]:
     return None
 
 
+def _checkpoint_value(value: Any) -> Any:
+    """`value` as it goes into checkpoint args: plain data, torch dtypes and the enums both Megatron-LM and this
+    framework know by the same pickled name stay as they are (Megatron reads them back as its own), anything
+    else becomes plain data (`checkpoint_args.to_plain`)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, enum.Enum) and f"{type(value).__module__}.{type(value).__qualname__}" in MEGATRON_CLASSES:
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_checkpoint_value(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _checkpoint_value(v) for k, v in value.items()}
+    return to_plain(value)
+
+
+def args_for_checkpoint(args) -> argparse.Namespace:
+    """The `args` entry of a checkpoint: an argparse.Namespace, as Megatron-LM stores it (its loaders read the
+    args with getattr), of values our restricted unpickler reads (`_checkpoint_value`)."""
+    return argparse.Namespace(**{key: _checkpoint_value(value) for key, value in sorted(vars(args).items())})
+
+
 def checkpoint_args_namespace(stored: Any) -> argparse.Namespace:
     """Args stored in a checkpoint (our plain dict, or Megatron-LM's pickled Namespace) as a Namespace."""
     if isinstance(stored, argparse.Namespace):
@@ -67,16 +94,19 @@ def checkpoint_args_namespace(stored: Any) -> argparse.Namespace:
     raise ValueError(f"checkpoint args have type {type(stored).__name__}, expected a dict or an argparse.Namespace")
 
 
-def sharded_rng_state(args, local_state: Dict) -> ShardedObject:
-    """This rank's RNG state as Megatron's ShardedObject `rng_state`: grid (PP, TP), or (PP, TP, DP)."""
+def sharded_rng_state(args, states: List[Dict], stored: Optional[set] = None) -> ShardedObject:
+    """The RNG state list (`checkpointing.get_rng_state`) as Megatron's ShardedObject `rng_state`: grid (PP, TP),
+    replica id = DP rank. `stored` (the keys of a checkpoint being loaded) selects the (PP, TP, DP) grid that this
+    framework's older files used with --data-parallel-random-init, one state per shard."""
     pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
     tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
-    if args.data_parallel_random_init:
-        dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
-        return ShardedObject("rng_state", [local_state], (pp_size, tp_size, dp_size), (pp_rank, tp_rank, dp_rank),
-                             replica_id=0)
-    return ShardedObject("rng_state", [local_state], (pp_size, tp_size), (pp_rank, tp_rank), replica_id=dp_rank)
+    grid = ShardedObject("rng_state", states, (pp_size, tp_size), (pp_rank, tp_rank), replica_id=dp_rank)
+    if stored is None or grid.unique_key in stored or not args.data_parallel_random_init:
+        return grid
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
+    return ShardedObject("rng_state", states[:1], (pp_size, tp_size, dp_size), (pp_rank, tp_rank, dp_rank),
+                         replica_id=0)
 
 
 def _model_sharded_state_dicts(model) -> Dict[str, Dict]:
@@ -89,9 +119,10 @@ def _model_sharded_state_dicts(model) -> Dict[str, Dict]:
 def generate_sharded_state_dict(args, model, optimizer, opt_param_scheduler, rng_state: Optional[ShardedObject],
                                 iteration: Optional[int] = None, is_loading: bool = False,
                                 include_optimizer: bool = True, num_flops: float = 0.0,
-                                optim_sd_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                                optim_sd_kwargs: Optional[Dict[str, Any]] = None,
+                                rerun_state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Megatron's `generate_state_dict` for torch_dist (sharded model and optimizer state)."""
-    state_dict: Dict[str, Any] = {"args": args_to_plain_dict(args), "checkpoint_version": 3.0,
+    state_dict: Dict[str, Any] = {"args": args_for_checkpoint(args), "checkpoint_version": 3.0,
                                   "num_floating_point_operations_so_far": float(num_flops)}
     if iteration is not None:
         state_dict["iteration"] = iteration
@@ -104,12 +135,17 @@ def generate_sharded_state_dict(args, model, optimizer, opt_param_scheduler, rng
             state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if rng_state is not None:
         state_dict["rng_state"] = rng_state
+    if rerun_state is not None:
+        state_dict["rerun_state_machine"] = rerun_state
     return state_dict
 
 
 def content_metadata(args) -> Dict[str, Any]:
-    """Megatron's `_build_sharded_state_dict_metadata`."""
-    return {"distrib_optim_sharding_type": SHARDING_TYPE}
+    """Megatron's `_build_sharded_state_dict_metadata`: the distributed optimizer's layout, nothing otherwise."""
+    if not getattr(args, "use_distributed_optimizer", False):
+        return {}
+    fully_parallel = getattr(args, "ckpt_fully_parallel_save", True)
+    return {"distrib_optim_sharding_type": SHARDING_TYPE if fully_parallel else DP_ZERO_SHARDING_TYPE}
 
 
 def _save_strategy(args):
@@ -176,36 +212,17 @@ def optimizer_sharding_type(common: Dict[str, Any]) -> str:
     return stored or SHARDING_TYPE
 
 
-def nd_flattened_keys(checkpoint_dir: str) -> list:
-    """Keys Megatron-LM stored as N-D flattened tensors: its distributed optimizer's model-space state, kept as
-    `(*axis_fragmentations, numel of the local chunk)` and marked by `mcore_data[key]
-    ["nd_reformulated_orig_global_shape"]` in `.metadata`."""
-    mcore_data = getattr(read_dcp_metadata(checkpoint_dir), "mcore_data", None) or {}
-    return sorted(k for k, v in mcore_data.items() if isinstance(v, dict) and "nd_reformulated_orig_global_shape" in v)
-
-
-def check_optimizer_layout(args, common: Dict[str, Any], checkpoint_dir: str, run_tp_pp,
-                           flattened_keys=()) -> Dict[str, Any]:
+def check_optimizer_layout(args, common: Dict[str, Any], checkpoint_dir: str, run_tp_pp) -> Dict[str, Any]:
     """The `optimizer.sharded_state_dict` arguments that read the optimizer state of a torch_dist checkpoint
     whose `common.pt` is `common`, for a run at (TP, PP) `run_tp_pp`; raises RuntimeError naming the layout
-    and the fix when this run cannot read it (`flattened_keys`: `nd_flattened_keys(checkpoint_dir)`)."""
+    and the fix when this run cannot read it.
+
+    Megatron's `fully_sharded_model_space` state (model-shaped, or N-D flattened by its distributed
+    optimizer) loads at any layout into any optimizer; `dp_zero_gather_scatter` only at the saved TP/PP into
+    the distributed optimizer."""
     sharding_type = optimizer_sharding_type(common)
-    if sharding_type == SHARDING_TYPE and flattened_keys:
-        fix = ("pass --no-load-optim to load the weights only, or load it at the saved TP size with "
-               "--use-distributed-optimizer and re-save it here (this framework's layout reshards)")
-        saved_tp = checkpoint_tp_pp(common)[0] if checkpoint_tp_pp(common) else None
-        if saved_tp != run_tp_pp[0]:
-            raise RuntimeError(
-                f"checkpoint {checkpoint_dir} holds Megatron-LM's distributed-optimizer state as N-D flattened "
-                f"tensors (e.g. {flattened_keys[0]!r}), which are read only at the tensor-parallel size they were "
-                f"saved with ({saved_tp}; this run: {run_tp_pp[0]}): {fix}.")
-        if not args.use_distributed_optimizer:
-            raise RuntimeError(
-                f"checkpoint {checkpoint_dir} holds Megatron-LM's distributed-optimizer state as N-D flattened "
-                f"tensors (e.g. {flattened_keys[0]!r}), which only the distributed optimizer reads: {fix}.")
-        return {"sharding_type": SHARDING_TYPE, "nd_flattened": True}
     if sharding_type == SHARDING_TYPE:
-        return {"sharding_type": sharding_type}
+        return {"metadata": {"distrib_optim_sharding_type": SHARDING_TYPE}}
     if sharding_type != DP_ZERO_SHARDING_TYPE:
         raise RuntimeError(f"checkpoint {checkpoint_dir} holds distributed-optimizer state in the {sharding_type!r} "
                            f"layout, which this framework does not read: pass --no-load-optim to load the weights "
@@ -222,19 +239,54 @@ def check_optimizer_layout(args, common: Dict[str, Any], checkpoint_dir: str, ru
         raise RuntimeError(
             f"checkpoint {checkpoint_dir} holds distributed-optimizer state in Megatron's '{DP_ZERO_SHARDING_TYPE}' "
             f"layout, which only the distributed optimizer reads: {fix}.")
-    return {"sharding_type": sharding_type}
+    return {"metadata": {"distrib_optim_sharding_type": DP_ZERO_SHARDING_TYPE}}
+
+
+def load_model_chunk(chunk, state_dict: Dict[str, Any], strict: bool, where: str) -> None:
+    """`chunk.load_state_dict`, tolerating absent `_extra_state` entries as Megatron does (its torch_dist
+    checkpoints never hold the output layer's, and local layers have none to restore)."""
+    result = chunk.load_state_dict(state_dict, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith("_extra_state")]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"the model does not match checkpoint {where}: missing keys {missing}, unexpected keys "
+                           f"{unexpected} (different model configuration?)")
+
+
+def _drop_absent_extra_states(request: Dict[str, Any], stored: set) -> None:
+    """Remove from the model part of `request` the `_extra_state` objects the checkpoint lacks (a local-spec
+    checkpoint has no `core_attention._extra_state` for a TE-spec model): those modules keep their own."""
+    for name in [k for k in request if k == "model" or (k.startswith("model") and k[5:].isdigit())]:
+        request[name], _ = extract_matching_values(
+            request[name], lambda v: not (isinstance(v, ShardedObject) and v.key.endswith("._extra_state")
+                                          and v.unique_key not in stored))
+
+
+def _stored_keys(checkpoint_dir: str) -> set:
+    return set(read_dcp_metadata(checkpoint_dir).state_dict_metadata)
+
+
+def _rerun_request(load_rerun: bool, common: Dict[str, Any], stored: set) -> Optional[Dict[str, Any]]:
+    """The rerun state machine's entry to load (as Megatron: at the saved TP/PP only), or None."""
+    machine = get_rerun_state_machine()
+    if not load_rerun or "rerun_state_machine" not in common:
+        return None
+    request = machine.state_dict(data_iterator=None, ckpt_format="torch_dist")
+    return request if request["sharded"].unique_key in stored else None
 
 
 def load_sharded(args, model, optimizer, opt_param_scheduler, checkpoint_dir: str, load_optim: bool,
-                 load_rng: bool, local_rng_state: Dict, strict: bool = True):
-    """Load a torch_dist checkpoint into `model` (and optimizer, RNG when asked). Returns the loaded dict."""
+                 load_rng: bool, local_rng_state: Dict, strict: bool = True, load_rerun: bool = True):
+    """Load a torch_dist checkpoint into `model` (and optimizer, RNG and rerun state when asked; RNG and rerun
+    state only at the saved TP/PP). Returns the loaded dict."""
     common = dist_checkpointing.load_common_state_dict(checkpoint_dir)
     run_tp_pp = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
     same_layout = checkpoint_tp_pp(common) == run_tp_pp
+    load_rerun = load_rerun and same_layout
     if load_rng and not same_layout:
         print_rank_0(f"  the checkpoint was saved with TP/PP {checkpoint_tp_pp(common)}; not loading the RNG state")
         load_rng = False
-    stored = dist_checkpointing.load_sharded_metadata(checkpoint_dir) if load_rng else {}
+    stored = _stored_keys(checkpoint_dir)
     if load_rng and not any(key.startswith("rng_state/") for key in stored):
         print_rank_0(f"  {checkpoint_dir} has no RNG state (saved with --no-save-rng); not loading it")
         load_rng = False
@@ -243,26 +295,29 @@ def load_sharded(args, model, optimizer, opt_param_scheduler, checkpoint_dir: st
                            f"to load only the weights.")
     optim_sd_kwargs = None
     if load_optim and _with_optimizer(optimizer):
-        optim_sd_kwargs = check_optimizer_layout(args, common, checkpoint_dir, run_tp_pp,
-                                                 nd_flattened_keys(checkpoint_dir))
-    rng = sharded_rng_state(args, local_rng_state) if load_rng else None
+        optim_sd_kwargs = check_optimizer_layout(args, common, checkpoint_dir, run_tp_pp)
+    rng = sharded_rng_state(args, [local_rng_state], stored) if load_rng else None
     request = generate_sharded_state_dict(args, model, optimizer, opt_param_scheduler, rng, is_loading=True,
-                                          include_optimizer=load_optim, optim_sd_kwargs=optim_sd_kwargs)
+                                          include_optimizer=load_optim, optim_sd_kwargs=optim_sd_kwargs,
+                                          rerun_state=_rerun_request(load_rerun, common, stored))
     for name in ("args", "checkpoint_version", "num_floating_point_operations_so_far", "opt_param_scheduler"):
         request.pop(name, None)
+    _drop_absent_extra_states(request, stored)
     loaded = dist_checkpointing.load(request, checkpoint_dir, strict=args.dist_ckpt_strictness)
     if isinstance(loaded, tuple):
         loaded = loaded[0]
     chunks = unwrap_model(model)
     names = ["model"] if len(chunks) == 1 else ["model%d" % i for i in range(len(chunks))]
     for name, chunk in zip(names, chunks):
-        chunk.load_state_dict(loaded[name], strict=strict)
+        load_model_chunk(chunk, loaded[name], strict, checkpoint_dir)
     if load_optim and optimizer is not None and not getattr(optimizer, "is_stub_optimizer", False):
         optimizer.load_state_dict(loaded["optimizer"])
     if load_optim and opt_param_scheduler is not None and "opt_param_scheduler" in common:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if not load_rng:
         loaded.pop("rng_state", None)
+    if load_rerun and isinstance(loaded.get("rerun_state_machine", {}).get("sharded"), dict):
+        get_rerun_state_machine().load_state_dict(loaded["rerun_state_machine"])
     return loaded
 
 
@@ -396,7 +451,7 @@ def read_torch_dcp_args(checkpoint_dir: str):
 __all__ = [
     "torch_dcp_layout_problems", "save_torch_dcp", "load_torch_dcp", "read_torch_dcp_args",
     "get_checkpoint_format", "checkpoint_args_namespace", "sharded_rng_state", "generate_sharded_state_dict",
-    "content_metadata", "optimizer_sharding_type", "check_optimizer_layout", "nd_flattened_keys", "get_async_queue",
+    "content_metadata", "optimizer_sharding_type", "check_optimizer_layout", "args_for_checkpoint", "get_async_queue",
     "maybe_finalize_async_save", "is_empty_async_queue", "save_sharded",
     "load_sharded", "read_checkpoint_args", "checkpoint_tp_pp",
 ]

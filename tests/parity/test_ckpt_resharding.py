@@ -80,8 +80,10 @@ def test_save_tp2_pp2_dp2_distopt_resume_at_other_layouts(tmp_path):
     assert resumed_pp4 == pytest.approx(reference, rel=REL_TOL)
     single = run_on_ranks(_one_rank, 1, save, timeout=300)
     assert _total(single) == pytest.approx(reference, rel=REL_TOL)
-    # The 8-rank checkpoint holds the optimizer state in model space, once per element.
+    # The 8-rank checkpoint holds the optimizer state N-D flattened, as Megatron's distributed optimizer writes it:
+    # [layers, 2 * ffn, hidden] in TP=2 chunks [1, ffn / 2, hidden] for gate and up -> [layers, 4, 1, ffn / 2 * hidden];
+    # the vocab-parallel embedding [V, hidden] in chunks [V / 2, hidden] -> [2, 1, V / 2 * hidden].
     meta = dist_checkpointing.load_tensors_metadata(os.path.join(save, "iter_0000002"))
-    assert meta["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"].global_shape == (4, 2 * 64, 32)
-    assert meta["optimizer.state.fp32_param.embedding.word_embeddings.weight"].global_shape[1] == 32
+    assert meta["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"].global_shape == (4, 4, 1, 32 * 32)
+    assert meta["optimizer.state.fp32_param.embedding.word_embeddings.weight"].global_shape == (2, 1, 2048 * 32)
     assert torch.float32 == meta["optimizer.state.exp_avg_sq.decoder.final_layernorm.weight"].dtype

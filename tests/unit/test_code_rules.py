@@ -173,7 +173,10 @@ def _layering():
 
 
 def _layer_of(module, prefixes):
-    matches = [prefix for prefix in prefixes if module == prefix or module.startswith(prefix + ".")]
+    """The layer of the longest entry that is `module` or a package above it; the root `megatron.core` entry
+    is the package module alone (a new top-level module has to be placed in the table)."""
+    matches = [prefix for prefix in prefixes
+               if module == prefix or (prefix != "megatron.core" and module.startswith(prefix + "."))]
     return prefixes[max(matches, key=len)] if matches else None
 
 
@@ -238,6 +241,7 @@ def test_the_layering_test_can_fail():
     assert _layer_of("megatron.core.transformer.transformer_config", prefixes) == "base"
     assert _layer_of("megatron.core.optimization_plan.resolve", prefixes) in allowed["transformer"]
     assert "extensions" not in allowed["transformer"]
+    assert _layer_of("megatron.core.a_new_top_level_module", prefixes) is None  # must be placed explicitly
     tree = ast.parse("def f():\n    from megatron.core.tensor_parallel import mappings\n")
     path = CORE / "fp8" / "recipe.py"
     modules = {"megatron.core.fp8.recipe": path, "megatron.core.tensor_parallel.mappings": path}

@@ -27,8 +27,13 @@ def test_global_api_constant_and_reconfigure():
     assert nmc.get_micro_batch_size() == 2
     nmc.update_num_microbatches(10_000)
     assert nmc.get_num_microbatches() == 4
+    # Megatron asserts on a second init: code catching AssertionError (or RuntimeError) sees it, and
+    # the first calculator stays in place.
+    with pytest.raises(AssertionError, match="already initialized"):
+        nmc.init_num_microbatches_calculator(0, None, 16, 1, 4)
     with pytest.raises(RuntimeError, match="already initialized"):
         nmc.init_num_microbatches_calculator(0, None, 32, 2, 4)
+    assert nmc.get_num_microbatches() == 4 and nmc.get_micro_batch_size() == 2
     nmc.reconfigure_num_microbatches_calculator(0, None, 16, 1, 2)
     assert nmc.get_num_microbatches() == 8 and nmc.get_micro_batch_size() == 1
     nmc.unset_num_microbatches_calculator()

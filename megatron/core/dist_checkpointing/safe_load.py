@@ -64,6 +64,27 @@ class _RerunStateStandIn(enum.Enum):
     RERUNNING_AGAIN_FROM_CHECKPOINT = 5
 
 
+class _RerunDiagnosticStandIn(str, enum.Enum):
+    CORRECT_RESULT = "correct_result"
+    TRANSIENT_ERROR = "transient_error"
+    PERSISTENT_ERROR = "persistent_error"
+
+
+class _RecordStandIn(tuple):
+    """Stands in for a NamedTuple of Megatron's (pickled as class + field values) of any arity."""
+
+    def __new__(cls, *fields):
+        return tuple.__new__(cls, fields)
+
+
+class _CallerStandIn(_RecordStandIn):
+    pass
+
+
+class _CallStandIn(_RecordStandIn):
+    pass
+
+
 class _Fp8RecipeStandIn(str, enum.Enum):
     delayed = "delayed"
     tensorwise = "tensorwise"
@@ -71,7 +92,11 @@ class _Fp8RecipeStandIn(str, enum.Enum):
     blockwise = "blockwise"
 
 
-# Pickled name -> stand-in used when our class of that name cannot be imported.
+# Pickled name -> stand-in used when our class of that name cannot be imported. This is everything of
+# Megatron's own that Megatron-LM 0.13.1 pickles into `common.pt`, its legacy `model_optim_rng.pt` and the
+# ShardedObjects of a torch_dist checkpoint: the enums in its args Namespace (`attention_backend`, `model_type`,
+# an Fp8Recipe where a recipe object is stored), and the rerun state machine's state (its mode, state and
+# the error injector's diagnostic; a failed validation's `Call(Caller(...), sequence)` records).
 MEGATRON_CLASSES: Dict[str, type] = {
     "megatron.core.transformer.enums.AttnBackend": _AttnBackendStandIn,
     "megatron.core.transformer.enums.AttnMaskType": _AttnMaskTypeStandIn,
@@ -80,6 +105,9 @@ MEGATRON_CLASSES: Dict[str, type] = {
     "megatron.core.enums.Fp8Recipe": _Fp8RecipeStandIn,
     "megatron.core.rerun_state_machine.RerunMode": _RerunModeStandIn,
     "megatron.core.rerun_state_machine.RerunState": _RerunStateStandIn,
+    "megatron.core.rerun_state_machine.RerunDiagnostic": _RerunDiagnosticStandIn,
+    "megatron.core.rerun_state_machine.Caller": _CallerStandIn,
+    "megatron.core.rerun_state_machine.Call": _CallStandIn,
 }
 
 _PLAIN_GLOBALS: List[Any] = [

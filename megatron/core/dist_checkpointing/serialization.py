@@ -254,7 +254,7 @@ def load(
 
     def _fill(value):
         if isinstance(value, ShardedTensor):
-            return loaded_tensors[(value.key, tuple(value.global_offset))]
+            return loaded_tensors[torch_strategy.request_id(value)]
         if isinstance(value, ShardedObject):
             return loaded_objects[value.unique_key]
         return value

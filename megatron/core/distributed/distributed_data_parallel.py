@@ -30,14 +30,6 @@ _DEFAULT_MIN_BUCKET_SIZE = 40_000_000
 _DEFAULT_BUCKET_SIZE_PER_DP_RANK = 1_000_000
 
 
-def _inter_instance_group():
-    """The group joining the distributed-optimizer instances (Megatron has had two names for its getter)."""
-    getter = getattr(parallel_state, "get_inter_distributed_optimizer_instance_group", None)
-    if getter is None:
-        getter = parallel_state.get_inter_partial_data_parallel_group
-    return getter()
-
-
 class _CommGroups:
     """The process groups DDP communicates over, resolved once (explicit groups or parallel_state)."""
 
@@ -56,7 +48,7 @@ class _CommGroups:
             )
             self.inter_dist_opt = None
             if ddp_config.num_distributed_optimizer_instances > 1:
-                self.inter_dist_opt = _inter_instance_group()
+                self.inter_dist_opt = parallel_state.get_inter_distributed_optimizer_instance_group()
             self.tp = parallel_state.get_tensor_model_parallel_group()
             self.pp = parallel_state.get_pipeline_model_parallel_group()
         else:
@@ -116,12 +108,7 @@ class DistributedDataParallel(_BaseDataParallel):
         self.tp_group = self._groups.tp
         self.pp_group = self._groups.pp
 
-        bucket_size = ddp_config.bucket_size
-        if bucket_size is None:
-            bucket_size = max(_DEFAULT_MIN_BUCKET_SIZE, _DEFAULT_BUCKET_SIZE_PER_DP_RANK * self.dp_cp_group.size())
-        if not ddp_config.overlap_grad_reduce or disable_bucketing:
-            bucket_size = None
-        self.bucket_size = bucket_size
+        self.bucket_size = self._resolve_bucket_size(ddp_config, disable_bucketing)
         self.disable_bucketing = disable_bucketing
 
         self.param_to_bucket_group: Dict[torch.nn.Parameter, _ParamAndGradBucketGroup] = {}
@@ -157,6 +144,21 @@ class DistributedDataParallel(_BaseDataParallel):
         self.overlap_param_gather_with_optimizer_step = False
         if self.use_forward_hook:
             self.enable_forward_pre_hook()
+
+    def _resolve_bucket_size(self, ddp_config: DistributedDataParallelConfig, disable_bucketing: bool):
+        """Megatron's rule, including its writes to the shared config: an unset `bucket_size` becomes
+        max(4e7, 1e6 x DP size) and is reset to None (one bucket) without `overlap_grad_reduce`; this
+        wrapper then uses one bucket anyway when `disable_bucketing` or when it is not on the first
+        pipeline stage (its gradient reduction is off the critical path there)."""
+        if ddp_config.bucket_size is None:
+            ddp_config.bucket_size = max(_DEFAULT_MIN_BUCKET_SIZE, _DEFAULT_BUCKET_SIZE_PER_DP_RANK * self.dp_group.size())
+        if not ddp_config.overlap_grad_reduce:
+            ddp_config.bucket_size = None
+        pp_group = self.pp_group[0] if isinstance(self.pp_group, list) else self.pp_group
+        pp_rank = pp_group.rank() if pp_group is not None else 0
+        if disable_bucketing or pp_rank > 0:
+            return None
+        return ddp_config.bucket_size
 
     def _gradient_scaling_factors(self, has_expert_params: bool):
         """(dense, expert) pre-collective gradient multipliers; see the module docstring."""

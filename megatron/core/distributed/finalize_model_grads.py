@@ -178,11 +178,73 @@ def _allreduce_embedding_grad(model, group, pp_group, weight_getter: Callable, c
     _allreduce_grads([weight], group)
 
 
-def _allreduce_embedding_grads(model, config, groups: _Groups) -> None:
+def _in_group(group) -> bool:
+    return group is not None and dist.get_rank() in dist.get_process_group_ranks(group)
+
+
+def _allreduce_shared_embedding_grads(model, config, groups: _Groups) -> None:
+    """finalize_model_grads' step: both shared embeddings over the groups it resolved (no defaulting)."""
     if groups.in_embd and groups.embd is not None and dist.get_world_size(groups.embd) > 1:
         _allreduce_embedding_grad(model, groups.embd, groups.pp, _shared_word_embedding_weight, config)
     if groups.in_pos_embd and groups.pos_embd is not None and dist.get_world_size(groups.pos_embd) > 1:
         _allreduce_embedding_grad(model, groups.pos_embd, groups.pp, _position_embedding_weight, config)
+
+
+def _allreduce_word_embedding_grads(model: List[torch.nn.Module], config, embd_group=None, pp_group=None) -> None:
+    """Sum the tied word-embedding / output-layer weight's gradient over the embedding group (the first and
+    last pipeline stages), so both copies stay equal. Groups default to parallel_state's; a rank outside
+    the embedding group, or a group of one rank, does nothing."""
+    if embd_group is None:
+        embd_group = parallel_state.get_embedding_group(check_initialized=False)
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
+    if _in_group(embd_group) and dist.get_world_size(embd_group) > 1:
+        _allreduce_embedding_grad(model, embd_group, pp_group, _shared_word_embedding_weight, config)
+
+
+def _allreduce_position_embedding_grads(model: List[torch.nn.Module], config, pos_emb_group=None,
+                                        pp_group=None) -> None:
+    """Sum the learned position embedding's gradient over the position-embedding group (encoder and decoder
+    stages sharing it). Groups default to parallel_state's; ranks outside the group do nothing."""
+    if pos_emb_group is None:
+        pos_emb_group = parallel_state.get_position_embedding_group(check_initialized=False)
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
+    if _in_group(pos_emb_group) and dist.get_world_size(pos_emb_group) > 1:
+        _allreduce_embedding_grad(model, pos_emb_group, pp_group, _position_embedding_weight, config)
+
+
+def _allreduce_embedding_grads(model: List[torch.nn.Module], config, embd_group=None, pos_emb_group=None,
+                               pp_group=None) -> None:
+    """Both shared embeddings: the tied word embedding, then the position embedding."""
+    _allreduce_word_embedding_grads(model, config, embd_group, pp_group)
+    _allreduce_position_embedding_grads(model, config, pos_emb_group, pp_group)
+
+
+def _allreduce_layernorm_grads(model: List[torch.nn.Module], config, tp_group=None) -> None:
+    """Megatron's earlier name of `_allreduce_non_tensor_model_parallel_grads` (sequence-parallel norm and bias
+    gradients, q/k layernorms); the TP group defaults to parallel_state's."""
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    _allreduce_non_tensor_model_parallel_grads(model, config, tp_group)
+
+
+def _get_shared_word_embedding_weight(model_module, config) -> Optional[torch.nn.Parameter]:
+    """The tied embedding / output weight a model chunk holds a pipeline copy of, or None."""
+    return _shared_word_embedding_weight(model_module, config)
+
+
+def _get_position_embedding_weight(model_module, config=None) -> Optional[torch.nn.Parameter]:
+    """The learned position-embedding weight of a model chunk, or None."""
+    return _position_embedding_weight(model_module, config)
+
+
+def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor_to_shard` (a full tensor) sharded like `reference_tensor` when that is a DTensor, else unchanged;
+    the inverse of `_unshard_if_dtensor`."""
+    if DTensor is not None and isinstance(reference_tensor, DTensor):
+        return distribute_tensor(tensor_to_shard, reference_tensor.device_mesh, reference_tensor.placements)
+    return tensor_to_shard
 
 
 def _update_router_expert_bias(model: List[torch.nn.Module], config) -> None:
@@ -244,7 +306,7 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
     _stop(timer)
 
     timer = _timer(config, "embedding-grads-all-reduce")
-    _allreduce_embedding_grads(model, config, groups)
+    _allreduce_shared_embedding_grads(model, config, groups)
     _stop(timer)
 
     if getattr(config, "moe_router_enable_expert_bias", False):

@@ -69,7 +69,10 @@ class _ParamAndGradBucket:
     """A contiguous slice of a buffer: the unit of one collective call.
 
     `offset` is the bucket's start inside its buffer; `numel_unpadded` counts the elements up to the end
-    of its last parameter (the bucket's trailing padding excluded).
+    of its last parameter (the bucket's trailing padding excluded). `param_to_index` gives each param's
+    (start, end) as if the bucket's params were packed back to back with no alignment (Megatron's map for
+    copying all-gathered params out of a reused buffer); the real positions are the buffer's
+    `param_index_map`.
     """
 
     def __init__(
@@ -92,13 +95,20 @@ class _ParamAndGradBucket:
         self.numel_unpadded = numel_unpadded
         self.gradient_scaling_factor = gradient_scaling_factor
         self.bucket_id = bucket_id
+        self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        packed = 0
+        for param in params:
+            self.param_to_index[param] = (packed, packed + param.numel())
+            packed += param.numel()
 
 
 class _ParamAndGradBucketGroup:
     """Buckets that communicate together; tracks readiness of gradients and outstanding collectives.
 
-    `collective_group` is the group the optimizer state is sharded over (the intra-instance DP group);
-    with several distributed-optimizer instances, gradients are then all-reduced over
+    `collective_group` is the group gradients are reduced over: with the distributed optimizer the group
+    its state is sharded over (Megatron's attributes `intra_distributed_optimizer_instance_group/_size/
+    _rank`), otherwise the data-parallel group (attribute `data_parallel_group`). With several
+    distributed-optimizer instances, gradients are then all-reduced over
     `inter_distributed_optimizer_instance_group` as well.
     """
 
@@ -111,9 +121,15 @@ class _ParamAndGradBucketGroup:
     ):
         self.buckets = buckets
         self.ddp_config = ddp_config
-        self.intra_distributed_optimizer_instance_group = collective_group
-        self.intra_distributed_optimizer_instance_size = collective_group_size
-        self.intra_distributed_optimizer_instance_rank = dist.get_rank(group=collective_group)
+        self._group = collective_group
+        self._group_size = collective_group_size
+        self._group_rank = collective_group.rank()
+        if ddp_config.use_distributed_optimizer:
+            self.intra_distributed_optimizer_instance_group = collective_group
+            self.intra_distributed_optimizer_instance_size = collective_group_size
+            self.intra_distributed_optimizer_instance_rank = self._group_rank
+        else:
+            self.data_parallel_group = collective_group
         self.inter_distributed_optimizer_instance_group = None
         self.params = set()
         self.param_to_bucket: Dict[torch.nn.Parameter, _ParamAndGradBucket] = {}
@@ -149,8 +165,7 @@ class _ParamAndGradBucketGroup:
         return self.ddp_config.use_distributed_optimizer
 
     def _local_shard(self, tensor: torch.Tensor) -> torch.Tensor:
-        shards = shard_buffer(tensor, self.intra_distributed_optimizer_instance_size)
-        return shards[self.intra_distributed_optimizer_instance_rank]
+        return shard_buffer(tensor, self._group_size)[self._group_rank]
 
     def check_grads(self, check_for_nan_in_grad: bool, check_for_large_grads: bool):
         """Raise if a bucket's local (not yet reduced) gradients hold NaN/Inf or an unexpectedly large norm.
@@ -204,7 +219,7 @@ class _ParamAndGradBucketGroup:
             raise RuntimeError("Should not have multiple gradient communication calls outstanding at once")
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
             self.check_grads(self.ddp_config.check_for_nan_in_grad, self.ddp_config.check_for_large_grads)
-        group = self.intra_distributed_optimizer_instance_group
+        group = self._group
         op = dist.ReduceOp.SUM
         self._pending_average_divisor = 1
         if self._scaling_is_average(group):
@@ -217,7 +232,7 @@ class _ParamAndGradBucketGroup:
             if _native_avg(group):
                 op = dist.ReduceOp.AVG
             else:
-                self._pending_average_divisor = self.intra_distributed_optimizer_instance_size
+                self._pending_average_divisor = self._group_size
         async_op = self.ddp_config.overlap_grad_reduce
         for bucket in self.buckets:
             if self._sharded_optimizer():
@@ -233,7 +248,7 @@ class _ParamAndGradBucketGroup:
         """True when every bucket's pre-scaling is exactly 1/group size and NCCL can average natively."""
         if not self.buckets or self.ddp_config.average_in_collective or not _native_avg(group):
             return False
-        size = self.intra_distributed_optimizer_instance_size
+        size = self._group_size
         return size > 1 and all(b.gradient_scaling_factor * size == 1.0 for b in self.buckets)
 
     def _complete_grad_sync(self):
@@ -305,7 +320,7 @@ class _ParamAndGradBucketGroup:
             raise RuntimeError("Should not have multiple parameter all-gathers outstanding at once")
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         self.param_gather_dispatched = True
-        group = self.intra_distributed_optimizer_instance_group
+        group = self._group
         for bucket in self.buckets:
             handle = _all_gather(bucket.param_data, self._local_shard(bucket.param_data), group, async_op)
             if async_op:
@@ -360,7 +375,7 @@ class _ParamAndGradBuffer:
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
-        self.data_parallel_world_size = dist.get_world_size(group=data_parallel_group)
+        self.data_parallel_world_size = data_parallel_group.size()
         self.gradient_scaling_factor = gradient_scaling_factor
         self.param_to_name = param_to_name
         self.buckets: List[_ParamAndGradBucket] = []

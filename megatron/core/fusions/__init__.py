@@ -1,1 +1,2 @@
-"""Fused elementwise functions (bias+activation, bias+dropout+add) in plain PyTorch."""
+"""Fused operations in plain PyTorch (compiled on CUDA where it pays): bias + activation (GeLU, SwiGLU, GeGLU,
+probability-weighted SwiGLU), bias + dropout + add, scale + mask + softmax, LayerNorm, cross-entropy, QKV + RoPE."""

@@ -4,6 +4,9 @@ The dropout draws from the default generator (outside the model-parallel RNG for
 across tensor-parallel ranks unless the caller forks (as the transformer block does under sequence
 parallelism, where each rank holds a different sequence shard).
 
+Eval note (Megatron's behaviour, which callers may rely on): in eval mode, when neither input needs a
+gradient, the sum is computed in place into x and x itself is returned.
+
 Speed note: with dropout off (eval, or probability 0 as in the benchmark configs) no dropout op runs at
 all (torch's dropout at p=0 in training mode still copies the tensor and writes a mask), and on CUDA the
 bias add and the residual add are one compiled kernel. With dropout on, the chain stays eager so that
@@ -24,7 +27,16 @@ _add_bias_and_residual_compiled = CudaCompiled(_add_bias_and_residual)
 
 
 def _bias_dropout_add_func(x_with_bias: Tuple[torch.Tensor, Optional[torch.Tensor]], residual, prob, training):
+    """Megatron's semantics: the result has x's dtype (the residual is cast to it); in eval mode with no
+    input needing a gradient the sum is written into x itself and x is returned (no new tensor)."""
     x, bias = x_with_bias
+    if residual.dtype != x.dtype:
+        residual = residual.to(x.dtype)
+    needs_grad = x.requires_grad or residual.requires_grad or (bias is not None and bias.requires_grad)
+    if not training and not needs_grad:
+        if bias is not None:
+            x.add_(bias)
+        return x.add_(residual)
     if not training or prob == 0.0:
         if bias is None:
             return residual + x

@@ -192,7 +192,7 @@ def _distributed_optimizer_instance_id() -> int:
         parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     )
     if full > partial:
-        return dist.get_rank(parallel_state.get_inter_partial_data_parallel_group())
+        return dist.get_rank(parallel_state.get_inter_distributed_optimizer_instance_group())
     return 0
 
 
@@ -213,13 +213,16 @@ def _dense_groups(use_gloo_process_groups: bool) -> Dict:
 
 
 def _expert_groups(use_gloo_process_groups: bool) -> Dict:
-    """Process groups of the expert-parallel optimizer."""
+    """Process groups of the expert-parallel optimizer: like DDP's expert buffers, the expert-DP part
+    inside this rank's distributed-optimizer instance."""
     if not _dist_ready():
         return dict(model_parallel_group=None, data_parallel_group=None, data_parallel_group_gloo=None)
-    gloo = parallel_state.get_expert_data_parallel_group_gloo() if use_gloo_process_groups else None
+    gloo = None
+    if use_gloo_process_groups:
+        gloo = parallel_state.get_expert_data_parallel_group_gloo(partial_expert_data_parallel=True)
     return dict(
         model_parallel_group=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
-        data_parallel_group=parallel_state.get_expert_data_parallel_group(),
+        data_parallel_group=parallel_state.get_expert_data_parallel_group(partial_expert_data_parallel=True),
         data_parallel_group_gloo=gloo,
     )
 
@@ -310,6 +313,7 @@ def get_megatron_optimizer(
                 per_model_buffers=expert_buffers,
                 data_parallel_group_idx=_group_rank(expert_groups["model_parallel_group"]),
                 intra_dist_opt_group=_intra_distributed_optimizer_group(config),
+                distributed_optimizer_instance_id=_distributed_optimizer_instance_id(),
                 **expert_groups,
             )
         )

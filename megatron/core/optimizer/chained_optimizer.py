@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, defer_clip_to_fused_adam
 from megatron.core.optimizer.optimizer import MegatronOptimizer, StepStat
-from megatron.core.optimizer.sharded_state import SHARDING_TYPE_KEY
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
 
 class ChainedOptimizer(MegatronOptimizer):
@@ -68,15 +68,20 @@ class ChainedOptimizer(MegatronOptimizer):
         return [opt.state_dict() for opt in self.chained_optimizers]
 
     def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False, **kwargs):
-        """The single optimizer's sharded state, or {index: sharded state} of every chained optimizer."""
+        """The single optimizer's sharded state, or (Megatron's layout) {index: sharded state of optimizer
+        `index`, its keys prefixed with `chained_{index}.`} of several chained optimizers."""
         if len(self.chained_optimizers) == 1:
             return self.chained_optimizers[0].sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-        return {index: opt.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-                for index, opt in enumerate(self.chained_optimizers)}
+        result = {}
+        for index, opt in enumerate(self.chained_optimizers):
+            state = opt.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+            add_prefix_for_sharding(state, f"chained_{index}.")
+            result[index] = state
+        return result
 
     def load_state_dict(self, state_dict) -> None:
-        """Restore from a list (or an index-keyed dict) of per-optimizer state dicts."""
-        if isinstance(state_dict, dict) and SHARDING_TYPE_KEY in state_dict and len(self.chained_optimizers) == 1:
+        """Restore from a list (or an index-keyed dict) of per-optimizer state dicts (one optimizer: its own)."""
+        if len(self.chained_optimizers) == 1 and isinstance(state_dict, dict) and 0 not in state_dict:
             self.chained_optimizers[0].load_state_dict(state_dict)
             return
         if len(self.chained_optimizers) != len(state_dict):

@@ -16,12 +16,13 @@ tensors go through `get_parameter_state_dp_zero()` into `distrib_optim.pt` (lega
 `param`/`exp_avg`/`exp_avg_sq` tensor per buffer and dtype in buffer order without bucket padding,
 gathered on DP rank 0 over the gloo DP group. Everything loads with `torch.load(weights_only=True)`.
 
-Distributed checkpoints: `sharded_state_dict()` gives the model-space layout (`fully_sharded_model_space`,
-reshardable) by default. With `sharding_type="dp_zero_gather_scatter"` (or `metadata=
-{"distrib_optim_sharding_type": ...}`) it gives Megatron's layout for `--no-ckpt-fully-parallel-save`:
-ShardedObjects `optimizer.distributed.dp_group_idx_{model-parallel rank}.{optimizer,grad_scaler}` (replica_id =
-DP rank) and `....param_state` (the `get_parameter_state_dp_zero()` dict, written by DP rank 0), which loads only
-at the TP/PP it was saved with.
+Distributed checkpoints: `sharded_state_dict()` gives Megatron's `fully_sharded_model_space` layout by default: the
+owned range of each model piece as a `flattened_range` ShardedTensor, which the torch_dist backend stores N-D
+flattened and reads back at any TP/PP/DP, into this optimizer or a non-distributed one (`sharded_state.py`). With
+`sharding_type="dp_zero_gather_scatter"` (or `metadata={"distrib_optim_sharding_type": ...}`) it gives Megatron's
+layout for `--no-ckpt-fully-parallel-save`: ShardedObjects `optimizer.distributed.dp_group_idx_{model-parallel
+rank}.{optimizer,grad_scaler}` (replica_id = DP rank) and `....param_state` (the `get_parameter_state_dp_zero()`
+dict, written by DP rank 0), which loads only at the TP/PP it was saved with.
 """
 import copy
 import itertools
@@ -37,7 +38,9 @@ from megatron.core.optimizer.sharded_state import (
     SHARDING_TYPE,
     SHARDING_TYPE_KEY,
     ensure_state,
-    model_space_state_shards,
+    is_sharded_load,
+    mark_for_loading,
+    param_state_shards,
     param_to_sharded_map,
     state_tensors,
 )
@@ -339,8 +342,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     # Checkpointing
     # ----------------------------------------------------------------------------------------------
 
-    _state_sharded_over_dp = True
-
     def _model_and_main_params(self) -> List[Tuple[torch.Tensor, torch.Tensor, int, int]]:
         pairs = []
         for group_range in self.opt_group_ranges:
@@ -370,34 +371,67 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             state_dict["grad_scaler"] = self.grad_scaler.state_dict()
         return state_dict
 
-    def _group_step(self, group_index: int) -> Optional[int]:
+    def _group_step(self, group_index: int) -> Optional[float]:
+        """Adam's step of a group, as the float Megatron stores in the group."""
         for param in self._main_params_in_group_order(group_index):
             step = self.optimizer.state.get(param, {}).get("step")
             if step is not None:
-                return int(step.item()) if torch.is_tensor(step) else int(step)
+                return float(step.item()) if torch.is_tensor(step) else float(step)
         return None
 
     def _ensure_optimizer_state(self):
         """Create empty state (zeros, step 0) for every main shard that has none yet."""
         ensure_state(self.optimizer, self.init_state_fn, self.config)
 
+    def _params_in_buffer_order(self) -> List[Tuple[torch.Tensor, int, int]]:
+        """(model param, owned flat start, owned flat stop) of every param piece this rank owns, in the order of
+        the gradient buffers and their buckets (Megatron numbers `param_state` entries in this order)."""
+        pieces = []
+        for gbuf_range_maps in self.gbuf_ranges:
+            for per_bucket in gbuf_range_maps.values():
+                for bucket_range_map in per_bucket:
+                    for model_param, ranges in bucket_range_map["param_map"].items():
+                        pieces.append((model_param, ranges["param"].start, ranges["param"].end))
+        return pieces
+
     def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False,
                            sharding_type: Optional[str] = None, metadata: Optional[Dict] = None,
-                           nd_flattened: bool = False, **kwargs) -> Dict[str, Any]:
-        """Distributed-checkpoint state in model space (default), or Megatron's `dp_zero_gather_scatter`
-        layout when `sharding_type` or `metadata["distrib_optim_sharding_type"]` asks for it (collective over
-        the DP group when saving: DP rank 0 gathers the state). `nd_flattened=True` requests the model-space
-        state the way Megatron-LM's distributed optimizer stores it (N-D flattened chunks), to read its files."""
+                           **kwargs) -> Dict[str, Any]:
+        """Distributed-checkpoint state in Megatron's default `fully_sharded_model_space` layout, or its
+        `dp_zero_gather_scatter` layout when `sharding_type` or `metadata["distrib_optim_sharding_type"]` asks for
+        it (collective over the DP group when saving: DP rank 0 gathers the state).
+
+        `fully_sharded_model_space`: `state_dict()` (param groups with `step`, grad scaler) plus `param_state`,
+        {i: {"fp32_param", "exp_avg", "exp_avg_sq": the owned range of each model piece as a `flattened_range`
+        ShardedTensor, "step"}} numbered in buffer order; the tensors are views of this rank's shards."""
         if sharding_type is None:
             sharding_type = (metadata or {}).get("distrib_optim_sharding_type", SHARDING_TYPE)
-        if sharding_type != DP_ZERO_SHARDING_TYPE:
-            state = super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type=sharding_type)
-            if nd_flattened and not self.is_stub_optimizer:
-                entries = [(model, start, stop, state_tensors(self.optimizer, main))
-                           for model, main, start, stop in self._model_and_main_params()]
-                state["param_state"] = model_space_state_shards(
-                    entries, param_to_sharded_map(model_sharded_state_dict), True, nd_flattened=True)
-            return state
+        if sharding_type == DP_ZERO_SHARDING_TYPE:
+            return self._dp_zero_sharded_state_dict(is_loading)
+        if sharding_type != SHARDING_TYPE:
+            raise ValueError(f"sharding_type={sharding_type!r}: the distributed optimizer writes "
+                             f"{SHARDING_TYPE!r} or {DP_ZERO_SHARDING_TYPE!r}")
+        if self.is_stub_optimizer:
+            return mark_for_loading({SHARDING_TYPE_KEY: SHARDING_TYPE})
+        self._ensure_optimizer_state()
+        state = self.state_dict()
+        param_map = param_to_sharded_map(model_sharded_state_dict)
+        param_state = {}
+        for index, (model_param, start, stop) in enumerate(self._params_in_buffer_order()):
+            main_param = self.model_param_to_main_param[model_param]
+            entry = param_state_shards(model_param, start, stop, state_tensors(self.optimizer, main_param),
+                                       param_map, sharded_over_dp=True,
+                                       instance_id=self.distributed_optimizer_instance_id)
+            step = self.optimizer.state.get(main_param, {}).get("step")
+            if step is not None:
+                entry["step"] = step.detach().clone() if torch.is_tensor(step) else step
+            param_state[index] = entry
+        state["param_state"] = param_state
+        state[SHARDING_TYPE_KEY] = SHARDING_TYPE
+        return mark_for_loading(state)
+
+    def _dp_zero_sharded_state_dict(self, is_loading: bool) -> Dict[str, Any]:
+        """Megatron's `dp_zero_gather_scatter` layout (see the module docstring)."""
         prefix = f"optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx or 0}"
         dp_rank = dist.get_rank(self.data_parallel_group)
         state: Dict[str, Any] = {SHARDING_TYPE_KEY: DP_ZERO_SHARDING_TYPE}
@@ -420,7 +454,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.load_state_dict({k: state_dict[k] for k in ("optimizer", "grad_scaler") if k in state_dict})
             self.load_parameter_state_from_dp_zero(state_dict.get("param_state"))
             return
-        if SHARDING_TYPE_KEY in state_dict:
+        if is_sharded_load(state_dict):
             self._load_sharded_common(state_dict)
             return
         if not self.is_stub_optimizer:

@@ -37,13 +37,13 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.param_groups import PARAM_GROUP_IDENTIFIER_KEYS
 from megatron.core.optimizer.sharded_state import (
     SHARDING_TYPE,
-    SHARDING_TYPE_KEY,
     ensure_state,
-    load_param_groups,
-    model_space_state_shards,
-    param_groups_without_params,
+    is_sharded_load,
+    load_sharded_common,
+    mark_for_loading,
+    param_state_shards,
     param_to_sharded_map,
-    state_tensors,
+    torch_optimizer_sharded_state,
 )
 from megatron.core.reexports import lazy_attribute
 
@@ -280,36 +280,33 @@ class MegatronOptimizer(ABC):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore from `state_dict()`."""
 
-    _state_sharded_over_dp = False
-
     def _model_and_main_params(self) -> List[Tuple[torch.Tensor, torch.Tensor, int, int]]:
         """(model param, main param, owned flat start, owned flat stop) of every optimized param."""
         return [(p, p, 0, p.numel()) for group in self.optimizer.param_groups for p in group["params"]]
 
+    def _model_param_of(self):
+        """main param -> model param (the identity where the optimizer steps the model params)."""
+        model_of = {id(main): model for model, main, _, _ in self._model_and_main_params()}
+        return lambda main: model_of.get(id(main), main)
+
     def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False,
-                           sharding_type: str = SHARDING_TYPE, **kwargs) -> Dict[str, Any]:
-        """Distributed-checkpoint state: fp32 params and moments as ShardedTensors in model space
-        (`optimizer.state.<name>.<model key>`), param groups (with Adam's step) and the grad scaler."""
-        if sharding_type != SHARDING_TYPE:
-            raise ValueError(f"sharding_type={sharding_type!r}: only {SHARDING_TYPE!r} is implemented (it reshards "
-                             f"across TP, PP, DP and distributed-optimizer on/off)")
-        state: Dict[str, Any] = {SHARDING_TYPE_KEY: SHARDING_TYPE}
-        if not self.is_stub_optimizer:
-            ensure_state(self.optimizer, self.init_state_fn, self.config)
-            state["optimizer"] = {"param_groups": param_groups_without_params(self.optimizer)}
-            entries = [(model, start, stop, state_tensors(self.optimizer, main))
-                       for model, main, start, stop in self._model_and_main_params()]
-            state["param_state"] = model_space_state_shards(
-                entries, param_to_sharded_map(model_sharded_state_dict), self._state_sharded_over_dp)
-        grad_scaler = getattr(self, "grad_scaler", None)
-        if grad_scaler is not None:
-            state["grad_scaler"] = grad_scaler.state_dict()
-        return state
+                           sharding_type: str = SHARDING_TYPE, metadata: Optional[Dict] = None,
+                           **kwargs) -> Dict[str, Any]:
+        """Megatron's sharded state of a non-distributed optimizer: the torch optimizer's state tensors as
+        ShardedTensors in the layout of their model params (`optimizer.state.<name>.<model key>`), Adam's step
+        once (`state.common_step`) and the param groups in `common.pt` (`sharded_state.py`). Every tensor is a
+        view of this optimizer's state, so a distributed load fills it in place."""
+        if self.is_stub_optimizer:
+            return mark_for_loading({})
+        ensure_state(self.optimizer, self.init_state_fn, self.config)
+        state = torch_optimizer_sharded_state(self.optimizer, self._model_param_of(),
+                                              param_to_sharded_map(model_sharded_state_dict))
+        return mark_for_loading(state)
 
     def _load_sharded_common(self, state_dict: Dict[str, Any]) -> None:
         """After a distributed load (tensors were filled in place): param groups, step, grad scaler."""
-        if not self.is_stub_optimizer and "optimizer" in state_dict:
-            load_param_groups(self.optimizer, state_dict["optimizer"]["param_groups"])
+        if not self.is_stub_optimizer:
+            load_sharded_common(self.optimizer, state_dict)
         grad_scaler = getattr(self, "grad_scaler", None)
         if grad_scaler is not None and "grad_scaler" in state_dict:
             grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -550,6 +547,27 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
             pairs.extend((param, param, 0, param.numel()) for param in fp32_group)
         return pairs
 
+    def sharded_state_dict(self, model_sharded_state_dict: Dict, is_loading: bool = False,
+                           sharding_type: str = SHARDING_TYPE, metadata: Optional[Dict] = None,
+                           **kwargs) -> Dict[str, Any]:
+        """Megatron's layout: {"optimizer": the torch optimizer's sharded state (as for `FP32Optimizer`),
+        "grad_scaler", "fp32_from_fp16_params": [[`optimizer.state.fp32_param.<model key>` per fp16/bf16
+        param] per group]}, the fp32 main params laid out like their model params."""
+        if self.is_stub_optimizer:
+            return mark_for_loading({})
+        ensure_state(self.optimizer, self.init_state_fn, self.config)
+        param_map = param_to_sharded_map(model_sharded_state_dict)
+        state: Dict[str, Any] = {"optimizer": torch_optimizer_sharded_state(self.optimizer, self._model_param_of(),
+                                                                            param_map)}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        state["fp32_from_fp16_params"] = [
+            [param_state_shards(model, 0, model.numel(), {"fp32_param": main.detach()}, param_map, False)
+             .get("fp32_param") for model, main in zip(model_group, main_group)]
+            for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups)
+        ]
+        return mark_for_loading(state)
+
     def state_dict(self) -> Dict[str, Any]:
         """`optimizer`, `grad_scaler` (when present) and `fp32_from_fp16_params` (plain tensors)."""
         state_dict = {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else {}}
@@ -561,8 +579,9 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore optimizer state, loss scaler and the fp32 main params (also Megatron's older key names)."""
-        if SHARDING_TYPE_KEY in state_dict:
+        """Restore optimizer state, loss scaler and the fp32 main params (also Megatron's older key names);
+        after a distributed load only the common part (the tensors were loaded in place)."""
+        if is_sharded_load(state_dict):
             self._load_sharded_common(state_dict)
             return
         optimizer_key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
@@ -640,8 +659,9 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state_dict() if self.optimizer is not None else {}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore the torch optimizer's state."""
-        if SHARDING_TYPE_KEY in state_dict:
+        """Restore the torch optimizer's state (after a distributed load only the common part: the tensors
+        were loaded in place)."""
+        if is_sharded_load(state_dict):
             self._load_sharded_common(state_dict)
             return
         if not self.is_stub_optimizer:

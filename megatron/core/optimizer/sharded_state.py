@@ -1,26 +1,35 @@
-"""Optimizer state in model space for distributed checkpoints (Megatron's `fully_sharded_model_space`).
+"""Optimizer state for distributed checkpoints, in Megatron-LM 0.13.1's layout (`fully_sharded_model_space`).
 
-Every optimizer (FP32, Float16 with fp32 main params, distributed) saves the same keys:
-`optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>`, each a ShardedTensor laid out exactly like
-the model tensor `<model key>` (stacked layer axis, TP offsets, SwiGLU `[all gate; all up]`). A
-checkpoint therefore loads into any other TP/PP/DP layout and into a distributed or non-distributed
-optimizer alike. Hyper-parameters, Adam's `step` (per group) and the grad scaler go to `common.pt`.
+Every optimizer saves its per-parameter tensors under the model tensor's key: `optimizer.state.<name>.<model
+key>` (`exp_avg`, `exp_avg_sq`, ..., and `fp32_param` for the fp32 main copy of a half-precision model param),
+each sharded exactly like the model tensor (stacked layer axis, TP offsets, SwiGLU `[all gate; all up]`).
+What differs between the optimizers is how those shards look, and the common part (`common.pt`):
 
-Design note (no flattened ranges on disk): a distributed-optimizer rank owns a contiguous range of each
-flattened parameter. That range is split into rectangular boxes (a partial first row, whole rows, a
-partial last row, recursively for more dimensions); each box is an ordinary ShardedTensor, so the
-torch_dist backend stores it as a plain DCP chunk and any other layout reads it back by intersection.
-The boxes are views of the optimizer's own tensors, so a load fills the state in place.
+| optimizer | tensors | common part |
+|---|---|---|
+| `FP32Optimizer` | model-shaped, no `fp32_param` | `{"state": {"common_step": step}, "param_groups": [...]}` |
+| `Float16OptimizerWithFloat16Params` | model-shaped, `fp32_param` under `fp32_from_fp16_params` | `{"optimizer": {"state": {"common_step"}, "param_groups"}, "grad_scaler"}` |
+| `DistributedOptimizer` | `flattened_range` shards: the rank's owned range of each chunk, stored N-D flattened | `{"optimizer": {"param_groups" (+ "step")}, "param_state": {i: {"step"}}, "param_state_sharding_type"}` |
+
+The torch_dist backend reads any of these tensor layouts into any other (`dist_checkpointing.strategies.resharding`),
+so a checkpoint loads at another TP/PP/DP layout and into a distributed or non-distributed optimizer alike.
+
+Design note (loading in place): every tensor of an optimizer's sharded state dict is a view of the optimizer's
+own state (created zero-filled first when the optimizer has not stepped yet), so a distributed load fills the
+state in place; `load_state_dict` then restores hyper-parameters, Adam's `step` and the grad scaler from
+whichever of the common layouts above the checkpoint holds (`sharded_common_groups_and_step`). A
+`LocalNonpersistentObject` under `SHARDED_LOAD_KEY` in the request tells `load_state_dict` that it sees such a
+loaded dict (it is never saved).
 """
 import copy
 import inspect
-import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.strategies.resharding import flat_range_to_boxes
 
 SHARDING_TYPE = "fully_sharded_model_space"
 """The value of `content_metadata['distrib_optim_sharding_type']` for this layout."""
@@ -28,42 +37,11 @@ DP_ZERO_SHARDING_TYPE = "dp_zero_gather_scatter"
 """Megatron's layout for distributed-optimizer state saved with `--no-ckpt-fully-parallel-save`: the legacy
 `distrib_optim.pt` dict as one ShardedObject per model-parallel rank (readable only at the same TP/PP)."""
 SHARDING_TYPE_KEY = "param_state_sharding_type"
-"""Marks an optimizer state dict produced by `sharded_state_dict` (and its loaded counterpart)."""
+"""Names the distributed optimizer's layout in its sharded state dict (and in this framework's older files)."""
+SHARDED_LOAD_KEY = "sharded_state_loaded"
+"""Request-only marker (never saved): the state dict comes from a distributed load into this optimizer."""
 STATE_PREFIX = "optimizer.state"
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "params", "step")
-
-Box = Tuple[int, Tuple[int, ...], Tuple[int, ...]]
-
-
-def flat_range_to_boxes(shape: Tuple[int, ...], start: int, stop: int) -> List[Box]:
-    """Split the flat range [start, stop) of a row-major tensor of `shape` into rectangular boxes.
-
-    Returns `(flat_start, offset, box_shape)` triples in flat order; each box is contiguous in memory.
-    """
-    if start >= stop:
-        return []
-    if len(shape) <= 1:
-        return [(start, (start,), (stop - start,))]
-    inner = math.prod(shape[1:])
-    boxes: List[Box] = []
-
-    def partial_row(row: int, lo: int, hi: int) -> None:
-        for flat, offset, box_shape in flat_range_to_boxes(tuple(shape[1:]), lo - row * inner, hi - row * inner):
-            boxes.append((flat + row * inner, (row,) + offset, (1,) + box_shape))
-
-    if start % inner:
-        row = start // inner
-        head_stop = min(stop, (row + 1) * inner)
-        partial_row(row, start, head_stop)
-        start = head_stop
-    full_end = (stop // inner) * inner
-    if start < full_end:
-        boxes.append((start, (start // inner,) + (0,) * (len(shape) - 1),
-                      ((full_end - start) // inner,) + tuple(shape[1:])))
-        start = full_end
-    if start < stop:
-        partial_row(start // inner, start, stop)
-    return boxes
 
 
 def param_to_sharded_map(model_sharded_state_dict: Dict) -> Dict[int, Any]:
@@ -96,73 +74,69 @@ def _pieces(sharded: Any, param: torch.Tensor) -> List[Tuple[ShardedTensor, int]
     return result
 
 
-def _optimizer_replica_id(replica_id: Any, sharded_over_dp: bool) -> Any:
+def _optimizer_replica_id(replica_id: Any, sharded_over_dp: bool, instance_id: int = 0) -> Any:
+    """A sharded optimizer's pieces are unique inside one distributed-optimizer instance: the DP coordinate
+    of the replica id becomes the instance id (Megatron's rule), so only instance 0 writes them."""
     if not sharded_over_dp:
         return replica_id
     if isinstance(replica_id, tuple):
-        return (*replica_id[:-1], 0)
-    return 0
+        return (*replica_id[:-1], instance_id)
+    return instance_id
 
 
-def _nd_flattened_shards(piece: ShardedTensor, piece_start: int, lo: int, hi: int, own_start: int,
-                         tensors: Dict[str, torch.Tensor], replica_id: Any) -> Dict[str, ShardedTensor]:
-    """The owned flat range [lo, hi) of `piece` in Megatron-LM's N-D flattened layout: a model tensor of global
-    shape [X, Y, Z] split into local chunks [x, y, z] is stored as [X // x, Y // y, Z // z, x * y * z], chunk
-    (i, j, k) holding that chunk flattened; the range is the slice [lo, hi) of the last axis of one chunk."""
-    prepend = piece.prepend_axis_num
-    chunk_shape = (1,) * prepend + tuple(piece.local_shape)
-    fragments = tuple(g // c for g, c in zip(piece.global_shape, chunk_shape))
-    chunk_index = tuple(o // c for o, c in zip(piece.global_offset, chunk_shape))
-    local_shape = (1,) * len(fragments) + (hi - lo,)
-    global_shape = fragments + (math.prod(piece.local_shape),)
-    global_offset = chunk_index + (lo - piece_start,)
-    result = {}
-    for name, tensor in tensors.items():
-        # [owned numel] -> [1, ..., 1, hi - lo]
-        data = tensor.view(-1)[lo - own_start:hi - own_start].view(local_shape)
-        key = f"{STATE_PREFIX}.{name}.{piece.key}"
-        result[f"{key}@{'_'.join(map(str, global_offset))}"] = ShardedTensor(
-            key, data, tensor.dtype, local_shape, global_shape, global_offset, None, replica_id, 0)
+def param_state_shards(model_param: torch.Tensor, own_start: int, own_stop: int, tensors: Dict[str, torch.Tensor],
+                       param_map: Dict[int, Any], sharded_over_dp: bool,
+                       instance_id: int = 0) -> Dict[str, Any]:
+    """{state name: ShardedTensor, or {piece index: ShardedTensor} for a factory-built param} of one param.
+
+    `tensors` hold the range [own_start, own_stop) of the flattened `model_param`. With `sharded_over_dp`
+    (distributed optimizer) each piece becomes a `flattened_range` shard of the model piece (stored N-D
+    flattened; every DP rank writes the part it owns); otherwise the range is the whole param and each piece
+    keeps the model layout. Empty when the model state dict has no entry for the param. `instance_id` is this
+    rank's distributed-optimizer instance (see `_optimizer_replica_id`).
+    """
+    sharded = param_map.get(id(model_param))
+    if sharded is None:
+        return {}
+    result: Dict[str, Any] = {}
+    pieces = _pieces(sharded, model_param)
+    for index, (piece, piece_start) in enumerate(pieces):
+        lo, hi = max(own_start, piece_start), min(own_stop, piece_start + piece.data.numel())
+        if lo >= hi:
+            continue
+        replica_id = _optimizer_replica_id(piece.replica_id, sharded_over_dp, instance_id)
+        for name, tensor in tensors.items():
+            key = f"{STATE_PREFIX}.{name}.{piece.key}"
+            flat = tensor.view(-1)[lo - own_start:hi - own_start]
+            if sharded_over_dp:
+                shard = ShardedTensor(key, flat, tensor.dtype, tuple(piece.local_shape), tuple(piece.global_shape),
+                                      tuple(piece.global_offset), piece.axis_fragmentations, replica_id,
+                                      piece.prepend_axis_num, piece.allow_shape_mismatch,
+                                      flattened_range=slice(lo - piece_start, hi - piece_start))
+            else:
+                # [numel of the piece] -> [*local_shape]
+                shard = ShardedTensor(key, flat.view(piece.local_shape), tensor.dtype, tuple(piece.local_shape),
+                                      tuple(piece.global_shape), tuple(piece.global_offset), piece.axis_fragmentations,
+                                      replica_id, piece.prepend_axis_num, piece.allow_shape_mismatch)
+            if len(pieces) == 1:
+                result[name] = shard
+            else:
+                result.setdefault(name, {})[index] = shard
     return result
 
 
 def model_space_state_shards(entries: Iterable[Tuple[torch.Tensor, int, int, Dict[str, torch.Tensor]]],
-                             param_map: Dict[int, Any], sharded_over_dp: bool,
-                             nd_flattened: bool = False) -> Dict[str, ShardedTensor]:
-    """ShardedTensors of optimizer state tensors, in model space.
+                             param_map: Dict[int, Any], sharded_over_dp: bool) -> Dict[str, ShardedTensor]:
+    """Every ShardedTensor of `param_state_shards` for many params, in one flat dict.
 
     entries: (model param, owned flat start, owned flat stop, {state name: tensor of the owned range}).
-    With `sharded_over_dp` (distributed optimizer) every DP rank writes the part it owns. With `nd_flattened`
-    the requests follow Megatron-LM's distributed-optimizer layout instead (`_nd_flattened_shards`; tensors
-    with one dimension keep the model layout, as Megatron stores them): used to read its checkpoints.
     """
     result: Dict[str, ShardedTensor] = {}
     for model_param, own_start, own_stop, tensors in entries:
-        sharded = param_map.get(id(model_param))
-        if sharded is None:
-            continue
-        for piece, piece_start in _pieces(sharded, model_param):
-            lo = max(own_start, piece_start)
-            hi = min(own_stop, piece_start + piece.data.numel())
-            prepend = piece.prepend_axis_num
-            replica_id = _optimizer_replica_id(piece.replica_id, sharded_over_dp)
-            if nd_flattened and len(piece.global_shape) > 1:
-                if lo < hi:
-                    result.update(_nd_flattened_shards(piece, piece_start, lo, hi, own_start, tensors, replica_id))
-                continue
-            for flat, offset, box_shape in flat_range_to_boxes(tuple(piece.local_shape), lo - piece_start,
-                                                               hi - piece_start):
-                begin = piece_start + flat - own_start
-                numel = math.prod(box_shape)
-                global_offset = tuple(piece.global_offset[:prepend]) + tuple(
-                    g + o for g, o in zip(piece.global_offset[prepend:], offset))
-                for name, tensor in tensors.items():
-                    # [owned numel] -> [*box_shape]
-                    data = tensor.view(-1)[begin:begin + numel].view(box_shape)
-                    key = f"{STATE_PREFIX}.{name}.{piece.key}"
-                    result[f"{key}@{'_'.join(map(str, global_offset))}"] = ShardedTensor(
-                        key, data, tensor.dtype, tuple(box_shape), tuple(piece.global_shape), global_offset,
-                        None, replica_id, prepend, allow_shape_mismatch=piece.allow_shape_mismatch)
+        shards = param_state_shards(model_param, own_start, own_stop, tensors, param_map, sharded_over_dp)
+        for shard in nested_values(shards):
+            start = shard.flattened_range.start if shard.flattened_range is not None else 0
+            result[f"{shard.key}@{'_'.join(map(str, shard.global_offset))}+{start}"] = shard
     return result
 
 
@@ -188,20 +162,104 @@ def ensure_state(optimizer: torch.optim.Optimizer, init_state_fn, config) -> Non
                 state["momentum_buffer"] = torch.zeros_like(param.data)
 
 
-def state_tensors(optimizer: torch.optim.Optimizer, main_param: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """{'fp32_param': main param, <every param-shaped state tensor>: tensor} of one main param."""
-    tensors = {"fp32_param": main_param.detach()}
+def state_tensors(optimizer: torch.optim.Optimizer, main_param: torch.Tensor,
+                  with_main_param: bool = True) -> Dict[str, torch.Tensor]:
+    """{'fp32_param': main param (when `with_main_param`), <every param-shaped state tensor>: tensor}."""
+    tensors = {"fp32_param": main_param.detach()} if with_main_param else {}
     for name, value in optimizer.state.get(main_param, {}).items():
         if torch.is_tensor(value) and value.shape == main_param.shape and name != "step":
             tensors[name] = value
     return tensors
 
 
-def _group_step(optimizer: torch.optim.Optimizer, group: Dict) -> Optional[int]:
+def common_step(optimizer: torch.optim.Optimizer) -> Any:
+    """The `step` every param's state holds (Megatron's `common_step`), or None when there is none."""
+    step = None
+    for param_state in optimizer.state.values():
+        value = param_state.get("step")
+        if value is None:
+            continue
+        if step is None:
+            step = value
+        elif float(value) != float(step):
+            raise ValueError(f"the optimizer step differs between params ({float(step)} vs {float(value)}): a "
+                             f"checkpoint stores one step shared by all params")
+    return copy.deepcopy(step)
+
+
+def torch_optimizer_sharded_state(optimizer: torch.optim.Optimizer, model_param_of, param_map: Dict[int, Any],
+                                  exclude_state: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    """Megatron's sharded form of `optimizer.state_dict()`: {"state": {index: {name: shard}, "common_step": step},
+    "param_groups": [hyper-parameters]} with every param-shaped state tensor in the layout of the model param
+    `model_param_of(param)`; `step` and the names in `exclude_state` are left out of the per-param state."""
+    inner = optimizer.state_dict()
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    state: Dict[Any, Any] = {}
+    for index, param_state in inner["state"].items():
+        main = params[index]
+        tensors = {name: value for name, value in optimizer.state[main].items()
+                   if name != "step" and name not in exclude_state and torch.is_tensor(value)
+                   and value.shape == main.shape}
+        model = model_param_of(main)
+        shards = param_state_shards(model, 0, model.numel(), tensors, param_map, False)
+        if shards:
+            state[index] = shards
+    step = common_step(optimizer)
+    if step is not None:
+        state["common_step"] = step
+    groups = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def mark_for_loading(state: Dict[str, Any]) -> Dict[str, Any]:
+    """Add the request-only marker `load_state_dict` recognises a distributed load by."""
+    state[SHARDED_LOAD_KEY] = LocalNonpersistentObject(True)
+    return state
+
+
+def is_sharded_load(state_dict: Any) -> bool:
+    """True for a state dict produced by a distributed load of this framework's sharded state (tensors in place),
+    or stored in this framework's older layout (which `SHARDING_TYPE_KEY` marks for every optimizer)."""
+    return isinstance(state_dict, dict) and (SHARDED_LOAD_KEY in state_dict or SHARDING_TYPE_KEY in state_dict)
+
+
+def _has_hyper_parameters(groups: Any) -> bool:
+    return isinstance(groups, list) and bool(groups) and all(
+        isinstance(g, dict) and any(k != "params" for k in g) for g in groups)
+
+
+def sharded_common_groups_and_step(state_dict: Dict[str, Any]) -> Tuple[List[Dict], Any]:
+    """(param groups, common step or None) from the common part of any optimizer's checkpoint (see the table in
+    the module docstring; the distributed optimizer's groups carry `step` themselves)."""
+    inner = state_dict.get("optimizer") if isinstance(state_dict.get("optimizer"), dict) else {}
+    for holder in (state_dict, inner):
+        groups = holder.get("param_groups")
+        if _has_hyper_parameters(groups):
+            step_holder = holder.get("state") if isinstance(holder.get("state"), dict) else {}
+            return groups, step_holder.get("common_step")
+    raise ValueError("the checkpoint's optimizer state has no param_groups (it was not written by a Megatron "
+                     "optimizer): pass --no-load-optim to load the weights only")
+
+
+def load_sharded_common(optimizer: Optional[torch.optim.Optimizer], state_dict: Dict[str, Any]) -> None:
+    """After a distributed load (tensors filled in place): hyper-parameters and Adam's step of every group."""
+    if optimizer is None:
+        return
+    groups, step = sharded_common_groups_and_step(state_dict)
+    load_param_groups(optimizer, groups)
+    if step is None:
+        return
+    for param_state in optimizer.state.values():
+        if "step" in param_state:
+            old = param_state["step"]
+            param_state["step"] = torch.full_like(old, float(step)) if torch.is_tensor(old) else step
+
+
+def _group_step(optimizer: torch.optim.Optimizer, group: Dict) -> Optional[float]:
     for param in group["params"]:
         step = optimizer.state.get(param, {}).get("step")
         if step is not None:
-            return int(step.item()) if torch.is_tensor(step) else int(step)
+            return float(step.item()) if torch.is_tensor(step) else step
     return None
 
 
@@ -244,7 +302,8 @@ def load_param_groups(optimizer: Optional[torch.optim.Optimizer], saved_groups: 
 
 
 __all__ = [
-    "SHARDING_TYPE", "SHARDING_TYPE_KEY", "DP_ZERO_SHARDING_TYPE", "flat_range_to_boxes", "param_to_sharded_map",
-    "model_space_state_shards",
-    "ensure_state", "state_tensors", "param_groups_without_params", "load_param_groups",
+    "SHARDING_TYPE", "SHARDING_TYPE_KEY", "DP_ZERO_SHARDING_TYPE", "SHARDED_LOAD_KEY", "flat_range_to_boxes",
+    "param_to_sharded_map", "param_state_shards", "model_space_state_shards", "ensure_state", "state_tensors",
+    "common_step", "torch_optimizer_sharded_state", "mark_for_loading", "is_sharded_load",
+    "sharded_common_groups_and_step", "load_sharded_common", "param_groups_without_params", "load_param_groups",
 ]

@@ -9,13 +9,16 @@ Device note: the tracked generator is the CUDA generator when CUDA is available 
 generator otherwise, so the same per-TP-rank behaviour holds for CPU runs (gloo tests).
 """
 import contextlib
-from typing import Dict, Optional
+import logging
+from typing import Any, Dict, Optional
 
 import torch
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 from megatron.core.utils import module_available
+
+logger = logging.getLogger(__name__)
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
@@ -65,13 +68,23 @@ def _set_cuda_rng_state(new_state: Optional[torch.Tensor], device: int = -1, gra
         torch.cuda.set_rng_state(new_state, device)
 
 
+_DEFAULT_STATE_NAME = "default-rng"
+
+
 class CudaRNGStatesTracker:
-    """Named device-RNG states; `fork(name)` runs a block with that state and saves where it ended."""
+    """Named device-RNG states; `fork(name)` runs a block with that state and saves where it ended.
+
+    Megatron's semantics: `add` raises when the seed or the name is already used (the seed is recorded
+    first); `get_states` returns a new dict holding the tracker's state objects (no copies) and
+    `set_states` adopts the given dict itself, unchecked; `fork` of an unknown name raises. Forks nest:
+    entering a fork stores the state of the fork it interrupts, so a stream forked again inside another
+    stream continues where it was.
+    """
 
     def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
+        self.reset()
         self.use_cudagraphable_rng = use_cudagraphable_rng
         self.is_inference_rng_tracker = is_inference_rng_tracker
-        self.reset()
 
     def is_initialized(self) -> bool:
         """True once a state was added or set."""
@@ -80,52 +93,73 @@ class CudaRNGStatesTracker:
     def reset(self) -> None:
         """Forget every named state and seed."""
         self._is_initialized = False
-        self.states_: Dict[str, torch.Tensor] = {}
+        self.states_: Dict[str, Any] = {}
         self.seeds_ = set()
+        self._current_state_name = _DEFAULT_STATE_NAME
 
-    def get_states(self) -> Dict[str, torch.Tensor]:
-        """A copy of the name -> state dict (for checkpoints and recompute)."""
-        return {name: state.clone() for name, state in self.states_.items()}
+    def get_states(self) -> Dict[str, Any]:
+        """A new name -> state dict with the tracker's own state objects (for checkpoints and recompute)."""
+        return dict(self.states_)
 
-    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
-        """Replace every named state (inverse of `get_states`)."""
+    def set_states(self, states: Dict[str, Any]) -> None:
+        """Adopt `states` (the dict itself) as the named states (inverse of `get_states`)."""
         self._is_initialized = True
-        self.states_ = {name: state.clone() for name, state in states.items()}
+        self.states_ = states
 
     def add(self, name: str, seed: int) -> None:
         """Register stream `name` seeded with `seed`; the current device RNG state is left unchanged."""
         self._is_initialized = True
         if seed in self.seeds_:
-            raise ValueError(f"RNG seed {seed} is already used by another tracked stream")
-        if name in self.states_:
-            raise ValueError(f"RNG stream {name!r} already exists")
+            raise ValueError(f"seed {seed} already exists: every tracked RNG stream needs its own seed")
         self.seeds_.add(seed)
+        if name in self.states_:
+            raise ValueError(f"cuda rng state {name} already exists: call reset() before adding it again")
         original = _get_device_rng_state()
         _device_manual_seed(seed)
-        self.states_[name] = _get_device_rng_state().clone()
+        self.states_[name] = _get_device_rng_state()
         _set_device_rng_state(original)
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
         """Run the block with stream `name`'s state; afterwards store its advanced state and restore the old one."""
         if name not in self.states_:
-            raise KeyError(f"RNG stream {name!r} is not registered: call model_parallel_cuda_manual_seed(seed) first")
-        original = _get_device_rng_state().clone()
+            raise KeyError(f"cuda rng state {name} is not added: call model_parallel_cuda_manual_seed(seed) first")
+        outer_state = _get_device_rng_state()
+        outer_name = self._current_state_name
+        if outer_name != _DEFAULT_STATE_NAME:
+            self.states_[outer_name] = outer_state
         _set_device_rng_state(self.states_[name])
+        self._current_state_name = name
+        cpu_state = torch.get_rng_state() if _uses_cuda() else None
         try:
             yield
         finally:
-            self.states_[name] = _get_device_rng_state().clone()
-            _set_device_rng_state(original)
+            if cpu_state is not None and not torch.equal(cpu_state, torch.get_rng_state()):
+                logger.warning("CPU RNG state changed within GPU RNG context")
+            if self._current_state_name != name:
+                raise RuntimeError(
+                    f"current state name {self._current_state_name} is not the same as the desired state name "
+                    f"{name}: RNG forks must be exited in the order they were entered"
+                )
+            self.states_[name] = _get_device_rng_state()
+            if outer_name != _DEFAULT_STATE_NAME:
+                outer_state = self.states_[outer_name]
+            _set_device_rng_state(outer_state)
+            self._current_state_name = outer_name
 
 
 class InferenceCudaRNGStatesTracker(CudaRNGStatesTracker):
-    """Tracker for inference: no dropout, so `fork` does not switch streams."""
+    """Tracker for inference (no dropout): adding and setting states are no-ops, `fork` switches nothing."""
 
-    @contextlib.contextmanager
+    def add(self, name: str, seed: int) -> None:
+        """Accepted and ignored, like Megatron's inference tracker."""
+
+    def set_states(self, states: Dict[str, Any]) -> None:
+        """Accepted and ignored, like Megatron's inference tracker."""
+
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
-        """No-op context (inference runs no random ops that need per-rank streams)."""
-        yield
+        """A no-op context."""
+        return contextlib.nullcontext()
 
 
 _CUDA_RNG_STATE_TRACKER: Optional[CudaRNGStatesTracker] = None
@@ -138,36 +172,27 @@ def initialize_rng_tracker(
     use_cudagraphable_rng: bool = False,
     force_reset: bool = False,
 ) -> None:
-    """Create the global tracker once; a later call asking for another kind (or force_reset) replaces it.
+    """Create the global tracker on first use; later calls keep it, whatever they ask for, unless
+    `force_reset` (Megatron's rule: the first caller decides the kind).
 
-    Transformer Engine's tracker needs transformer_engine.
+    Transformer Engine's tracker is used only when transformer_engine is importable and asked for;
+    otherwise (as in Megatron) the native tracker is created.
     """
-    if use_te_rng_tracker and not module_available("transformer_engine"):
-        raise RuntimeError(
-            "te_rng_tracker=True (--te-rng-tracker) needs transformer_engine, which is not installed: "
-            "drop the flag or install Transformer Engine"
-        )
-    wanted = "te" if use_te_rng_tracker else ("inference" if inference_rng_tracker else "default")
-    if _CUDA_RNG_STATE_TRACKER_INITIALIZED and not force_reset and _TRACKER_KIND == wanted:
+    global _CUDA_RNG_STATE_TRACKER, _CUDA_RNG_STATE_TRACKER_INITIALIZED
+    if force_reset:
+        _CUDA_RNG_STATE_TRACKER, _CUDA_RNG_STATE_TRACKER_INITIALIZED = None, False
+    if _CUDA_RNG_STATE_TRACKER_INITIALIZED:
         return
-    _set_tracker(wanted, use_cudagraphable_rng)
-
-
-_TRACKER_KIND = None
-
-
-def _set_tracker(kind: str, use_cudagraphable_rng: bool) -> None:
-    global _CUDA_RNG_STATE_TRACKER, _CUDA_RNG_STATE_TRACKER_INITIALIZED, _TRACKER_KIND
-    if kind == "te":
+    if use_te_rng_tracker and module_available("transformer_engine"):
         import transformer_engine.pytorch.distributed as te_distributed
 
         _CUDA_RNG_STATE_TRACKER = te_distributed.CudaRNGStatesTracker()
-    elif kind == "inference":
-        _CUDA_RNG_STATE_TRACKER = InferenceCudaRNGStatesTracker(use_cudagraphable_rng=use_cudagraphable_rng)
+    elif inference_rng_tracker:
+        _CUDA_RNG_STATE_TRACKER = InferenceCudaRNGStatesTracker(
+            use_cudagraphable_rng=use_cudagraphable_rng, is_inference_rng_tracker=True)
     else:
         _CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker(use_cudagraphable_rng=use_cudagraphable_rng)
     _CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    _TRACKER_KIND = kind
 
 
 def get_cuda_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False, use_cudagraphable_rng=False):
@@ -306,10 +331,9 @@ class CheckpointWithoutOutputFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = ctx.saved_tensors
-        outputs = ctx.outputs
+        inputs, outputs = ctx.inputs, ctx.outputs
         _backward_outputs(outputs, grads)
-        ctx.outputs = None
+        ctx.outputs, ctx.inputs = None, None
         input_grads = tuple(inp.grad if isinstance(inp, torch.Tensor) else None for inp in inputs)
         return (None, None) + input_grads
 
@@ -319,6 +343,10 @@ class CheckpointWithoutOutput:
 
     `out = ckpt.checkpoint(fn, x)`; `y = consumer(out)`; `ckpt.discard_output_and_register_recompute(y)`:
     `out`'s storage is released and refilled (with the forward's RNG states) when `y`'s grad arrives.
+
+    Megatron's semantics: the storage is refilled byte for byte without touching the tensors' metadata or
+    version counters, so consumers that saved `out` (or views of it) for their backward read the
+    recomputed values and pass autograd's in-place checks; a second trigger of the hook does nothing.
     """
 
     def __init__(self, fp8: bool = False) -> None:
@@ -337,24 +365,29 @@ class CheckpointWithoutOutput:
         return outputs
 
     def _recompute(self, _grad):
+        if self.ctx is None:
+            return
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("activation checkpointing does not work with torch.autograd.grad(); use .backward()")
         current = _get_all_rng_states()
         _set_all_rng_states(*self.rng_states)
         try:
+            inputs = detach_variable(self.ctx.saved_tensors)
             with torch.enable_grad():
-                outputs = self.run_function(*self.ctx.saved_tensors)
+                outputs = self.run_function(*inputs)
         finally:
             _set_all_rng_states(*current)
         self.run_function = None
         self.rng_states = None
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
-        for output, recomputed in zip(self.outputs, outputs):
-            output.untyped_storage().resize_(recomputed.untyped_storage().size())
-            with torch.no_grad():
-                output.copy_(recomputed)
-        self.ctx.outputs = outputs
+        with torch.no_grad():
+            for output, recomputed in zip(self.outputs, outputs):
+                # Storage-level copy: an in-place tensor op would bump `output`'s version counter and make
+                # every consumer that saved it for backward fail autograd's in-place check.
+                output.untyped_storage().resize_(recomputed.untyped_storage().size())
+                output.untyped_storage().copy_(recomputed.untyped_storage())
+        self.ctx.outputs, self.ctx.inputs = outputs, inputs
         self.outputs = None
         self.ctx = None
 

@@ -347,10 +347,45 @@ def _validate_overlap_and_sharding(args) -> List[str]:
         )
     if args.use_torch_fsdp2:
         problems += _fsdp2_problems(args)
+    problems += _distributed_optimizer_instances_problems(args)
     if not args.enable_gloo_process_groups and args.use_distributed_optimizer and args.ckpt_format == "torch":
         problems.append(
             "--disable-gloo-process-groups with --use-distributed-optimizer needs a distributed checkpoint format: "
             "use --ckpt-format torch_dist (the legacy format gathers optimizer state over gloo)."
+        )
+    return problems
+
+
+def _distributed_optimizer_instances_problems(args) -> List[str]:
+    """Megatron's rules for --num-distributed-optimizer-instances (asserted there in DDP and
+    initialize_model_parallel): at least 1; above 1 only with the distributed optimizer; it must divide
+    the DP x CP size and the expert DP size."""
+    instances = args.num_distributed_optimizer_instances
+    if instances < 1:
+        return [f"--num-distributed-optimizer-instances ({instances}) must be at least 1."]
+    if instances == 1:
+        return []
+    problems = []
+    if not args.use_distributed_optimizer:
+        problems.append(
+            f"--num-distributed-optimizer-instances ({instances}) > 1 needs --use-distributed-optimizer: the "
+            "instances are copies of the distributed optimizer's sharded state."
+        )
+    world, product = getattr(args, "world_size", 1), _model_parallel_product(args)
+    if product < 1 or world % product != 0:
+        return problems
+    dp_cp = world // product * args.context_parallel_size
+    if dp_cp % instances != 0:
+        problems.append(
+            f"--num-distributed-optimizer-instances ({instances}) must divide the data-parallel x context-parallel "
+            f"size ({dp_cp}, world size {world}): each instance takes an equal share of it."
+        )
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    expert_product = etp * args.expert_model_parallel_size * args.pipeline_model_parallel_size
+    if expert_product >= 1 and world % expert_product == 0 and (world // expert_product) % instances != 0:
+        problems.append(
+            f"--num-distributed-optimizer-instances ({instances}) must divide the expert data-parallel size "
+            f"({world // expert_product} = world {world} / (expert TP x EP x PP)): choose a divisor."
         )
     return problems
 

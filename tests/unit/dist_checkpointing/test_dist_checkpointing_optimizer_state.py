@@ -1,5 +1,6 @@
 """Optimizer state in model space: the flat-range -> box split, and a round trip of an FP32 optimizer's
-sharded state (a SwiGLU-style factory, a stacked layer axis) through save/load in one process."""
+sharded state in Megatron's layout (a SwiGLU-style factory, a stacked layer axis) through save/load in one
+process."""
 import math
 
 import torch
@@ -48,12 +49,18 @@ def test_fp32_optimizer_sharded_round_trip(tmp_path):
     opt.step()
     opt.step()
     state = opt.sharded_state_dict(_model_sd(fc1, norm))
-    assert state["param_state_sharding_type"] == "fully_sharded_model_space"
     dist_checkpointing.save({"optimizer": state}, str(tmp_path))
     plain = dist_checkpointing.load_plain_tensors(str(tmp_path))
+    # Megatron's FP32Optimizer layout: no fp32_param (the model params are the main params), the step once in
+    # common.pt next to the param groups.
+    assert sorted(plain) == sorted(f"optimizer.state.{n}.{k}" for n in ("exp_avg", "exp_avg_sq")
+                                   for k in ("layers.fc1.weight", "final_norm.weight"))
+    common = dist_checkpointing.load_common_state_dict(str(tmp_path))["optimizer"]
+    assert sorted(common) == ["param_groups", "state"] and float(common["state"]["common_step"]) == 2.0
+    assert "params" not in common["param_groups"][0] and common["param_groups"][0]["lr"] == 0.1
     # [gate; up] of the one rank is stored as [all gate; all up] under the model key, with the layer axis.
-    assert plain["optimizer.state.fp32_param.layers.fc1.weight"].shape == (1, 6, 4)
-    assert torch.equal(plain["optimizer.state.fp32_param.layers.fc1.weight"][0], fc1.detach())
+    assert plain["optimizer.state.exp_avg.layers.fc1.weight"].shape == (1, 6, 4)
+    assert torch.equal(plain["optimizer.state.exp_avg.layers.fc1.weight"][0], opt.optimizer.state[fc1]["exp_avg"])
     assert torch.equal(plain["optimizer.state.exp_avg.final_norm.weight"], opt.optimizer.state[norm]["exp_avg"])
 
     fc1_b, norm_b = torch.nn.Parameter(torch.zeros(6, 4)), torch.nn.Parameter(torch.zeros(5))
@@ -62,16 +69,16 @@ def test_fp32_optimizer_sharded_round_trip(tmp_path):
     loaded = dist_checkpointing.load(request, str(tmp_path))
     opt_b.load_state_dict(loaded["optimizer"])
     for a, b in ((fc1, fc1_b), (norm, norm_b)):
-        assert torch.equal(a.detach(), b.detach())
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.optimizer.state[a][name], opt_b.optimizer.state[b][name])
         assert float(opt_b.optimizer.state[b]["step"]) == 2.0
 
 
-def test_owned_range_split_into_boxes_per_rank():
+def test_owned_range_becomes_a_flattened_range_shard():
     param = torch.nn.Parameter(torch.arange(12.0).view(3, 4))
     model_sd = {"w": ShardedTensor.from_rank_offsets("w", param)}
     owned = torch.arange(3.0, 9.0)
     shards = model_space_state_shards([(param, 3, 9, {"exp_avg": owned})], param_to_sharded_map(model_sd), True)
-    boxes = sorted((s.global_offset, s.local_shape, s.data.tolist()) for s in shards.values())
-    assert boxes == [((0, 3), (1, 1), [[3.0]]), ((1, 0), (1, 4), [[4.0, 5.0, 6.0, 7.0]]), ((2, 0), (1, 1), [[8.0]])]
+    (shard,) = shards.values()
+    assert shard.key == "optimizer.state.exp_avg.w" and shard.flattened_range == slice(3, 9)
+    assert shard.local_shape == (3, 4) and shard.global_shape == (3, 4) and shard.data.tolist() == owned.tolist()

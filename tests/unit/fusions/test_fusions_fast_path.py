@@ -110,13 +110,41 @@ def test_bias_dropout_add_shortcut_and_dropout_path():
     x, bias, residual = torch.randn(4, 2, 8), torch.randn(8), torch.randn(4, 2, 8)
     for training in (True, False):
         bda = get_bias_dropout_add(training, fused=True)
-        torch.testing.assert_close(bda((x, bias), residual, 0.0), residual + (x + bias))
-        torch.testing.assert_close(bda((x, None), residual, 0.0), residual + x)
+        torch.testing.assert_close(bda((x.clone(), bias), residual, 0.0), residual + (x + bias))
+        torch.testing.assert_close(bda((x.clone(), None), residual, 0.0), residual + x)
     out = get_bias_dropout_add(True, fused=False)((x, bias), residual, 0.5)
     kept = (out - residual) != 0
     assert 0 < kept.float().mean() < 1
     torch.testing.assert_close((out - residual)[kept], ((x + bias) * 2)[kept])
-    torch.testing.assert_close(get_bias_dropout_add(False, fused=False)((x, bias), residual, 0.5), residual + (x + bias))
+    torch.testing.assert_close(get_bias_dropout_add(False, fused=False)((x.clone(), bias), residual, 0.5),
+                               residual + (x + bias))
+
+
+def test_bias_dropout_add_eval_mode_megatron_semantics():
+    """Megatron's bias_dropout_add: in eval mode with no input needing a gradient, x itself receives
+    x + bias + residual and is returned (no dropout, no new tensor); when an input needs a gradient the
+    result is a new tensor and x is untouched; the residual is cast to x's dtype, so a bf16 branch output
+    with an fp32 residual gives a bf16 result; in training mode dropout is applied to x + bias only."""
+    torch.manual_seed(3)
+    for fused in (True, False):
+        x, bias, residual = torch.randn(4, 2, 8), torch.randn(8), torch.randn(4, 2, 8)
+        expected = residual + (x + bias)
+        original = x.clone()
+        out = get_bias_dropout_add(False, fused)((x, bias), residual, 0.5)
+        assert out is x and torch.equal(x, expected)
+        expected = original + residual
+        out = get_bias_dropout_add(False, fused)((original, None), residual, 0.5)
+        assert out is original and torch.equal(out, expected)
+        y = torch.randn(4, 2, 8, requires_grad=True)
+        kept = y.detach().clone()
+        out = get_bias_dropout_add(False, fused)((y, bias), residual, 0.5)
+        assert out is not y and torch.equal(y.detach(), kept) and out.requires_grad
+        torch.testing.assert_close(out, residual + (kept + bias))
+        half = torch.randn(4, 2, 8, dtype=torch.bfloat16)
+        for training in (True, False):
+            out = get_bias_dropout_add(training, fused)((half.clone(), bias.bfloat16()), residual, 0.0)
+            assert out.dtype == torch.bfloat16
+            torch.testing.assert_close(out, residual.bfloat16() + (half + bias.bfloat16()))
 
 
 def test_rope_entry_point_and_cpu_fallbacks():

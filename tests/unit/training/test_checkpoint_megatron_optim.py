@@ -1,20 +1,21 @@
-"""Megatron-LM 0.13.1's own distributed-optimizer state in torch_dist checkpoints, written here by hand from its
-documented layouts and read by `pretrain` (2 gloo ranks, DP=2, fp32, distributed optimizer):
+"""Megatron-LM 0.13.1's own distributed-optimizer state layouts in torch_dist checkpoints, read by `pretrain`
+(2 gloo ranks, DP=2, fp32, distributed optimizer):
 
-- `dp_zero_gather_scatter` (Megatron writes it with `--no-ckpt-fully-parallel-save`), at the same TP/PP/DP;
+- `dp_zero_gather_scatter` (Megatron writes it with `--no-ckpt-fully-parallel-save`), written here by hand from its
+  documented layout, at the same TP/PP/DP;
 - `fully_sharded_model_space` (its default): model-space keys `optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model
-  key>` stored as N-D flattened tensors, at the same layout and at DP=1.
+  key>` stored N-D flattened, as this framework's distributed optimizer writes them too (the real Megatron files in
+  `shared/fixtures/megatron` are tested in `tests/compat`), here re-written without `mcore_data` in `.metadata`
+  (Megatron's default save path records none), at the same layout and at DP=1.
 
 Iterations 3 and 4 after loading iteration 2 must equal the uninterrupted run's (bit for bit at the same layout;
 within 1e-6 at DP=1, where the reduction order differs): iteration 3's loss checks the weights, iteration 4's the Adam
-state (with the optimizer state left unloaded iteration 4 differs). A TP/PP change of the dp_zero layout, or a TP change
-of the N-D flattened one, must fail naming the layout and the fix.
+state (with the optimizer state left unloaded iteration 4 differs). A TP/PP change of the dp_zero layout must fail
+naming the layout and the fix.
 
-The checkpoints are assembled with raw `torch.distributed.checkpoint` (no flattening), as Megatron's torch_dist
-backend writes them: tensors as DCP tensors; each ShardedObject one bytes item under `"{key}/shard_{offset}_{shape}"`
-holding `torch.save([data])`, serialized before DCP sees it (its save planner does not re-serialize bytes); and
-`.metadata` carrying `mcore_data` (`{key: {"nd_reformulated_orig_global_shape": global shape}}` for N-D flattened
-tensors, `{}` for the others). The dp_zero layout:
+The dp_zero checkpoint is assembled with raw `torch.distributed.checkpoint` (no flattening), as Megatron's torch_dist
+backend writes it: tensors as DCP tensors; each ShardedObject one bytes item under `"{key}/shard_{offset}_{shape}"`
+holding `torch.save([data])`, serialized before DCP sees it (its save planner does not re-serialize bytes):
 - `optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1`: the distributed optimizer's `state_dict()`
   without tensors (`{"param_groups": [...]}`, Adam's `step` in each group);
 - `optimizer.distributed.dp_group_idx_0.param_state/shard_0_1`: the DP-rank-0 gather of fp32 params and Adam
@@ -22,11 +23,6 @@ tensors, `{}` for the others). The dp_zero layout:
   (param dtype, grad dtype): `param`, `exp_avg`, `exp_avg_sq` in buffer order, `numel_unpadded`);
 - `common.pt` with `optimizer = {"param_state_sharding_type": "dp_zero_gather_scatter"}` and `content_metadata =
   {"distrib_optim_sharding_type": "dp_zero_gather_scatter"}`; `metadata.json` last.
-The N-D flattened layout (Megatron's `sharded_tensor_to_torch_sharded_tensor`): a model tensor of global shape
-[X, Y, Z] whose local chunks are [x, y, z] is stored as [X // x, Y // y, Z // z, x * y * z], each DP rank writing the
-flat range of each chunk it owns; a stacked layer axis is a chunk axis of size 1; SwiGLU `linear_fc1` has two chunks
-per TP rank ([gate; up]); tensors that are 1-D globally keep their shape. `common.pt` holds the param groups and
-`param_state_sharding_type = content_metadata.distrib_optim_sharding_type = "fully_sharded_model_space"`.
 Model tensors, RNG and `_extra_state` objects are copied from a torch_dist checkpoint of the same state; the dp_zero
 pieces come from the legacy-format checkpoint of the same run (Megatron's `distrib_optim.pt`).
 """
@@ -43,6 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.safe_load import safe_torch_load
 from megatron.training.checkpointing_dist import check_optimizer_layout
 from tests.functional.cli import reset_training_state, run_pretrain_in_process
 from tests.harness import run_on_ranks
@@ -71,7 +68,7 @@ def _as_megatron_object(data):
 
 
 class _MegatronPlanner(_PreSerializedBytesPlanner):
-    """Also records Megatron's per-tensor `mcore_data` in `.metadata`."""
+    """Also records Megatron's per-tensor `mcore_data` in `.metadata` (None: none, as its default save path)."""
 
     def __init__(self, mcore_data):
         super().__init__(flatten_state_dict=False)
@@ -79,27 +76,9 @@ class _MegatronPlanner(_PreSerializedBytesPlanner):
 
     def create_global_plan(self, all_plans):
         plans, metadata = super().create_global_plan(all_plans)
-        metadata.mcore_data = self._mcore_data
+        if self._mcore_data is not None:
+            metadata.mcore_data = self._mcore_data
         return plans, metadata
-
-
-def _nd_flatten(global_tensor, chunk_shape):
-    """Megatron's N-D flattened form of a global tensor split into chunks of `chunk_shape`."""
-    fragments = [g // c for g, c in zip(global_tensor.shape, chunk_shape)]
-    n = len(chunk_shape)
-    # [X, Y, Z] -> [X//x, x, Y//y, y, Z//z, z] -> [X//x, Y//y, Z//z, x, y, z] -> [X//x, Y//y, Z//z, x*y*z]
-    split = global_tensor.reshape([d for pair in zip(fragments, chunk_shape) for d in pair])
-    return split.permute(*range(0, 2 * n, 2), *range(1, 2 * n, 2)).reshape(*fragments, -1).contiguous()
-
-
-def _model_chunk_shape(key, shape):
-    """Local chunk of a model tensor at TP=1: stacked layers have a layer axis of chunk 1; SwiGLU fc1 two halves."""
-    model_key = key.split(".", 3)[3]  # optimizer.state.<name>.<model key>
-    prepend = 1 if model_key.startswith("decoder.layers.") else 0
-    chunk = [1] * prepend + list(shape[prepend:])
-    if ".mlp.linear_fc1." in model_key and "layer_norm" not in model_key:
-        chunk[prepend] //= 2
-    return chunk
 
 
 def _copy_model_part(model_space_dir):
@@ -127,10 +106,10 @@ def _write(out_dir, items, common, mcore_data):
 def _write_megatron_checkpoints(model_space_dir, legacy_dir, root):
     """<root>/dp_zero/iter_0000002 and <root>/nd_flat/iter_0000002 (every rank reads; rank 0 writes)."""
     model_items, optimizer_tensors = _copy_model_part(model_space_dir)
-    common = torch.load(os.path.join(model_space_dir, "common.pt"), weights_only=True)
+    common = safe_torch_load(os.path.join(model_space_dir, "common.pt"))
     plain_mcore_data = {k: {} for k, v in model_items.items() if torch.is_tensor(v)}
 
-    legacy = torch.load(os.path.join(legacy_dir, "mp_rank_00", "model_optim_rng.pt"), weights_only=True)
+    legacy = safe_torch_load(os.path.join(legacy_dir, "mp_rank_00", "model_optim_rng.pt"))
     param_state = torch.load(os.path.join(legacy_dir, "mp_rank_00", "distrib_optim.pt"), weights_only=True)
     assert param_state["buckets_coalesced"] is True and "param_groups" in legacy["optimizer"]["optimizer"]
     prefix = "optimizer.distributed.dp_group_idx_0"
@@ -142,15 +121,9 @@ def _write_megatron_checkpoints(model_space_dir, legacy_dir, root):
                           content_metadata={"distrib_optim_sharding_type": LAYOUT})
     _write(os.path.join(root, "dp_zero", "iter_0000002"), items, dp_zero_common, plain_mcore_data)
 
-    items, mcore_data = dict(model_items), dict(plain_mcore_data)
-    for key, tensor in optimizer_tensors.items():
-        if tensor.dim() == 1:
-            items[key], mcore_data[key] = tensor, {}
-        else:
-            items[key] = _nd_flatten(tensor, _model_chunk_shape(key, tensor.shape))
-            mcore_data[key] = {"nd_reformulated_orig_global_shape": tuple(tensor.shape)}
+    items = dict(model_items, **optimizer_tensors)
     assert common["content_metadata"] == {"distrib_optim_sharding_type": "fully_sharded_model_space"}
-    _write(os.path.join(root, "nd_flat", "iter_0000002"), items, common, mcore_data)
+    _write(os.path.join(root, "nd_flat", "iter_0000002"), items, common, None)
 
 
 def _resume_from_megatron_layouts(root):
@@ -199,28 +172,29 @@ def test_megatron_optimizer_layouts_load(tmp_path):
     assert not any(key.startswith("optimizer.state.") for key in stored)
     assert dist_checkpointing.load_content_metadata(dp_zero) == {"distrib_optim_sharding_type": LAYOUT}
     nd_flat = dist_checkpointing.load_tensors_metadata(os.path.join(root, "nd_flat", "iter_0000002"))
-    # [layers, 2 * ffn, hidden] with chunks [1, ffn, hidden] -> [layers, 2, 1, ffn * hidden]
+    # [layers, 2 * ffn, hidden] with chunks [1, ffn, hidden] -> [layers, 2, 1, ffn * hidden]; [hidden] -> [1, hidden]
     assert nd_flat["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"].global_shape == (2, 2, 1, 64 * 32)
+    assert nd_flat["optimizer.state.exp_avg.decoder.final_layernorm.weight"].global_shape == (1, 32)
+    assert not hasattr(dist_checkpointing.serialization.torch_strategy.read_dcp_metadata(
+        os.path.join(root, "nd_flat", "iter_0000002")), "mcore_data")
 
 
 def test_layouts_refuse_a_parallel_change_by_name():
     args = argparse.Namespace(use_distributed_optimizer=True)
     common = {"args": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1},
               "optimizer": {"param_state_sharding_type": LAYOUT}}
-    assert check_optimizer_layout(args, common, "ckpt/iter_0000002", (2, 1)) == {"sharding_type": LAYOUT}
+    assert check_optimizer_layout(args, common, "ckpt/iter_0000002", (2, 1)) == {
+        "metadata": {"distrib_optim_sharding_type": LAYOUT}}
     with pytest.raises(RuntimeError, match=r"'dp_zero_gather_scatter' layout .* cannot be resharded from TP/PP "
                                            r"\(2, 1\) to \(1, 2\).*--ckpt-fully-parallel-save.*--no-load-optim"):
         check_optimizer_layout(args, common, "ckpt/iter_0000002", (1, 2))
     with pytest.raises(RuntimeError, match="only the distributed optimizer reads"):
         check_optimizer_layout(argparse.Namespace(use_distributed_optimizer=False), common, "ckpt", (2, 1))
+    # Megatron's default layout (model-shaped or N-D flattened tensors) loads at any TP/PP, into any optimizer.
     common["content_metadata"] = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
-    assert check_optimizer_layout(args, common, "ckpt", (1, 2)) == {"sharding_type": "fully_sharded_model_space"}
-    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
-    assert check_optimizer_layout(args, common, "ckpt", (2, 4), [key]) == {
-        "sharding_type": "fully_sharded_model_space", "nd_flattened": True}
-    with pytest.raises(RuntimeError, match=r"N-D flattened tensors \(e.g. 'optimizer.state.exp_avg.*saved with \(2; "
-                                           r"this run: 1\).*--no-load-optim"):
-        check_optimizer_layout(args, common, "ckpt", (1, 2), [key])
+    for run_args in (args, argparse.Namespace(use_distributed_optimizer=False)):
+        assert check_optimizer_layout(run_args, common, "ckpt", (1, 2)) == {
+            "metadata": {"distrib_optim_sharding_type": "fully_sharded_model_space"}}
 
 
 def test_sharded_objects_are_stored_as_megatron_lists(tmp_path):

@@ -4,13 +4,15 @@ One uninterrupted 40-iteration run is the reference; a run that saves at 20 and 
 resumes from it, must reproduce iterations 21..40 bit for bit (every microbatch's loss sum). The same
 checkpoint directory then serves the crash-during-save, damaged-file and load-flag checks.
 """
+import argparse
 import os
 import shutil
 
 import pytest
-import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.safe_load import safe_torch_load
+from megatron.core.rerun_state_machine import RerunState
 from megatron.training import checkpointing
 from megatron.training.global_vars import get_args
 from tests.functional.cli import reset_training_state, run_pretrain_in_process
@@ -67,9 +69,11 @@ def test_resume_crash_damage_and_load_flags(tmp_path, monkeypatch, capsys):
 
     tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
     assert open(tracker).read() == "40"
-    state = torch.load(os.path.join(save, "iter_0000040", "mp_rank_00", "model_optim_rng.pt"), weights_only=True)
+    # Megatron-LM's contents (an args Namespace, numpy RNG state, rerun-state enums), read by the safe loader.
+    state = safe_torch_load(os.path.join(save, "iter_0000040", "mp_rank_00", "model_optim_rng.pt"))
     assert state["checkpoint_version"] == 3.0 and state["iteration"] == 40
-    assert state["args"]["consumed_train_samples"] == 160 and isinstance(state["args"], dict)
+    assert state["args"].consumed_train_samples == 160 and isinstance(state["args"], argparse.Namespace)
+    assert state["rerun_state_machine"]["sharded"]["state"] is RerunState.NOT_RUNNING_YET
     assert {"model", "optimizer", "opt_param_scheduler", "rng_state"} <= set(state)
     assert state["num_floating_point_operations_so_far"] > 0
     assert "decoder.layers.0.self_attention.linear_qkv.weight" in state["model"]

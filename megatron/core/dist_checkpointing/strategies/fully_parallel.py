@@ -14,16 +14,18 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.strategies._collectives import all_gather_object, get_rank, is_distributed
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from megatron.core.dist_checkpointing.strategies.resharding import stored_geometry
 
 ShardId = Tuple[str, Tuple[int, ...], Tuple[int, ...]]
 
 
 def _shard_id(sharded: ShardedTensor) -> ShardId:
-    return sharded.key, tuple(sharded.global_offset), tuple(sharded.local_shape)
+    _, offset, shape = stored_geometry(sharded)
+    return sharded.key, offset, shape
 
 
 def _nbytes(sharded: ShardedTensor) -> int:
-    return int(np.prod(sharded.local_shape)) * sharded.data.element_size()
+    return int(np.prod(stored_geometry(sharded)[2])) * sharded.data.element_size()
 
 
 def assign_writers(per_rank: List[List[Tuple[ShardId, int, bool]]]) -> Dict[ShardId, int]:

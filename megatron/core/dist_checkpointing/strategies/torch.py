@@ -2,15 +2,17 @@
 distributed checkpoint engine (`torch.distributed.checkpoint`, DCP), as Megatron-LM does.
 
 Layout: each ShardedTensor key is a DCP tensor FQN whose chunks are the main-replica shards
-(`global_offset`, chunk shape); each ShardedObject is a DCP bytes item under its `unique_key`
+(`global_offset`, chunk shape; a shard with a `flattened_range` is stored N-D flattened, see
+`resharding.py`); each ShardedObject is a DCP bytes item under its `unique_key`
 holding `torch.save([data])` (Megatron-LM saves the list of this rank's shards of that key: one).
 Files: `.metadata` (DCP's index, written by the coordinator) and `__{rank}_{k}.distcp` (data, written
 by each rank).
 
 Design notes:
 - Own planners: DCP's default planners know DTensor/torch ShardedTensor, not offsets; ours turn
-  (global_offset, global_shape) into write items and compute read items for any requested shard,
-  which is what makes loading at another TP/PP/DP layout work.
+  (global_offset, global_shape) into write items and compute read items for any requested shard from
+  whichever layout its key is stored in (`resharding.plan_reads`), which is what makes loading at
+  another TP/PP/DP layout, or into another kind of optimizer, work.
 - The save is split in plan / write / finish. Plan and finish are collective and run in the
   caller's thread; write touches only local files, so it can run in a background thread (async save).
 - Reading is pickle-free where DCP would unpickle: `.metadata` goes through an allow-list unpickler,
@@ -44,7 +46,21 @@ from torch.distributed.checkpoint.planner_helpers import (
 
 from megatron.core.dist_checkpointing.mapping import CheckpointingException, ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
-from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.resharding import (
+    ReadPlan,
+    is_nd_flattened_tensor,
+    plan_reads,
+    stored_data,
+    stored_geometry,
+)
 from megatron.core.dist_checkpointing.strategies._collectives import (
     all_gather_object,
     get_rank,
@@ -70,6 +86,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """The torch_dist load strategy (reads `.metadata` and the requested chunks)."""
+
+
+def register_default_torch_strategies() -> None:
+    """Register the torch_dist sharded and the torch common strategies (Megatron's defaults)."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1))
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, LoadCommonStrategy())
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, SaveCommonStrategy("torch", 1))
+
+
+register_default_torch_strategies()
 
 
 class _RestrictedMetadataUnpickler(pickle.Unpickler):
@@ -137,23 +164,12 @@ def check_data_files(checkpoint_dir: str, metadata: Metadata) -> None:
             )
 
 
-def _chunk_view(sharded: ShardedTensor, data: torch.Tensor) -> torch.Tensor:
-    """`data` shaped as its chunk of the global tensor."""
-    if sharded.flattened_range is not None:
-        raise CheckpointingException(
-            f"ShardedTensor {sharded.key!r} has a flattened_range; the torch_dist backend here stores only "
-            f"unflattened shards (build the optimizer state with whole per-parameter shards)"
-        )
-    # [*local_shape] -> [1]*prepend_axis_num + [*local_shape]
-    return data.reshape(sharded.chunk_shape())
-
-
 class _ShardedSavePlanner(DefaultSavePlanner):
     """Write items from ShardedTensor offsets and ShardedObject bytes."""
 
     def __init__(self, tensors: List[Tuple[ShardedTensor, torch.Tensor]], objects: List[ShardedObject]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._tensors = {(sh.key, tuple(sh.global_offset)): (sh, data) for sh, data in tensors}
+        self._tensors = {(sh.key, stored_geometry(sh)[1]): (sh, data) for sh, data in tensors}
         self._objects = {obj.unique_key: obj for obj in objects}
 
     def create_local_plan(self) -> SavePlan:
@@ -164,7 +180,7 @@ class _ShardedSavePlanner(DefaultSavePlanner):
                 index=MetadataIndex(key, torch.Size(offset)),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(data),
-                                            size=torch.Size(sharded.global_shape)),
+                                            size=torch.Size(stored_geometry(sharded)[0])),
             ))
         for unique_key in self._objects:
             items.append(WriteItem(index=MetadataIndex(unique_key), type=WriteItemType.BYTE_IO))
@@ -195,6 +211,8 @@ class SavePlanState:
     """This rank's final plan."""
     metadata: Optional[Metadata]
     """The global DCP index (kept on the coordinator)."""
+    nd_flattened_shapes: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    """Model-space global shape of every key stored N-D flattened (all ranks' keys)."""
     write_results: List[Any] = field(default_factory=list)
     """This rank's write results (filled by the write step)."""
 
@@ -208,7 +226,7 @@ def stage_tensor(data: torch.Tensor, copy: bool) -> torch.Tensor:
 def plan_save(checkpoint_dir: str, tensors: List[ShardedTensor], objects: List[ShardedObject],
               copy_to_cpu: bool, thread_count: int = DEFAULT_THREAD_COUNT) -> SavePlanState:
     """Collective: build the global DCP plan for this rank's main-replica shards."""
-    staged = [(sh, _chunk_view(sh, stage_tensor(sh.data, copy_to_cpu))) for sh in tensors]
+    staged = [(sh, stored_data(sh, stage_tensor(sh.data, copy_to_cpu))) for sh in tensors]
     rank = get_rank()
     is_coordinator = rank == 0
     writer = dcp.FileSystemWriter(checkpoint_dir, thread_count=thread_count, sync_files=True, overwrite=True)
@@ -219,11 +237,14 @@ def plan_save(checkpoint_dir: str, tensors: List[ShardedTensor], objects: List[S
         # Re-saving into a directory is deliberate: save() removed its metadata.json first.
         warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
         local_plan = writer.prepare_local_plan(planner.create_local_plan())
-    all_plans = all_gather_object(local_plan)
-    global_plans, metadata = planner.create_global_plan(all_plans)
+    flattened = {sh.key: tuple(sh.global_shape) for sh in tensors if is_nd_flattened_tensor(sh)}
+    all_plans, all_flattened = zip(*all_gather_object((local_plan, flattened)))
+    global_plans, metadata = planner.create_global_plan(list(all_plans))
     global_plans = writer.prepare_global_plan(global_plans)
     final_plan = planner.finish_plan(global_plans[rank])
-    return SavePlanState(checkpoint_dir, writer, planner, final_plan, metadata if is_coordinator else None)
+    nd_shapes = {key: shape for shapes in all_flattened for key, shape in shapes.items()}
+    return SavePlanState(checkpoint_dir, writer, planner, final_plan, metadata if is_coordinator else None,
+                         nd_shapes)
 
 
 def write_planned(state: SavePlanState) -> None:
@@ -237,29 +258,32 @@ def finish_save(state: SavePlanState) -> None:
     """Collective: gather write results; the coordinator writes `.metadata`."""
     all_results = all_gather_object(state.write_results)
     if state.metadata is not None:
-        # Megatron-LM keeps per-tensor extras here (only N-D flattened tensors have any).
+        # Megatron-LM's per-tensor extras, as its centrally planned saves write them: the model-space global
+        # shape of every N-D flattened key (its reformulating loader reads it), nothing for the others.
         state.metadata.mcore_data = {
-            key: {} for key, item in state.metadata.state_dict_metadata.items()
-            if isinstance(item, TensorStorageMetadata)
+            key: ({"nd_reformulated_orig_global_shape": state.nd_flattened_shapes[key]}
+                  if key in state.nd_flattened_shapes else {})
+            for key, item in state.metadata.state_dict_metadata.items() if isinstance(item, TensorStorageMetadata)
         }
         state.writer.finish(metadata=state.metadata, results=all_results)
 
 
 class _ShardedLoadPlanner(DefaultLoadPlanner):
-    """Read items for the requested shards; bytes items through the safe loader."""
+    """Read items for the planned chunk reads; bytes items through the safe loader."""
 
-    def __init__(self, tensors: List[Tuple[ShardedTensor, torch.Tensor]], objects: List[ShardedObject],
+    def __init__(self, reads: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor], objects: List[ShardedObject],
                  checkpoint_dir: str):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._tensors = {(sh.key, tuple(sh.global_offset)): (sh, target) for sh, target in tensors}
+        self._reads = reads
         self._objects = {obj.unique_key: obj for obj in objects}
         self._checkpoint_dir = checkpoint_dir
         self.loaded_objects: Dict[str, Any] = {}
 
     def create_local_plan(self) -> LoadPlan:
         items = []
-        for (key, offset), (sharded, target) in self._tensors.items():
+        for (key, offset), target in self._reads.items():
             stored = self.metadata.state_dict_metadata[key]
+            # A shard of a vocabulary padded for another TP size may reach past the stored tensor.
             sizes = [min(o + s, g) - o for o, s, g in zip(offset, target.shape, stored.size)]
             if any(s <= 0 for s in sizes):
                 continue
@@ -272,7 +296,7 @@ class _ShardedLoadPlanner(DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item):
         index = read_item.dest_index
-        target = self._tensors[(index.fqn, tuple(index.offset))][1]
+        target = self._reads[(index.fqn, tuple(index.offset))]
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             target = target.narrow(dim, start, length)
         return target
@@ -298,32 +322,40 @@ def unwrap_object_shards(stored: Any, where: str) -> Any:
 
 
 def validate_request_against_metadata(tensors: List[ShardedTensor], metadata: Metadata) -> None:
-    """Raise CheckpointingException when a requested tensor's stored global shape or kind differs."""
+    """Raise CheckpointingException when a requested tensor is stored as something else than a tensor
+    (the stored shape is checked against the request when the reads are planned)."""
     for sharded in tensors:
-        stored = metadata.state_dict_metadata.get(sharded.key)
-        if not isinstance(stored, TensorStorageMetadata):
+        if not isinstance(metadata.state_dict_metadata.get(sharded.key), TensorStorageMetadata):
             raise CheckpointingException(f"checkpoint item {sharded.key!r} is not a tensor")
-        if tuple(stored.size) != tuple(sharded.global_shape) and not sharded.allow_shape_mismatch:
-            raise CheckpointingException(
-                f"ShardedTensor {sharded.key!r}: the checkpoint holds global shape {tuple(stored.size)}, the "
-                f"model asks for {tuple(sharded.global_shape)} (different model configuration?)"
-            )
+
+
+def request_id(sharded: ShardedTensor) -> Tuple[str, Tuple[int, ...], Optional[int]]:
+    """Identifies one requested shard: key, global offset and (flattened shards) the range start."""
+    start = sharded.flattened_range.start if is_nd_flattened_tensor(sharded) else None
+    return sharded.key, tuple(sharded.global_offset), start
+
+
+def _plan_tensor_reads(tensors: List[ShardedTensor], metadata: Metadata) -> Tuple[ReadPlan, list]:
+    plan, targets = ReadPlan(), []
+    for sharded in tensors:
+        sharded.init_data("cpu")
+        data = sharded.data if sharded.data.is_contiguous() else sharded.data.contiguous()
+        plan_reads(plan, sharded, data, tuple(metadata.state_dict_metadata[sharded.key].size))
+        targets.append((sharded, data))
+    return plan, targets
 
 
 def load_sharded(checkpoint_dir: str, tensors: List[ShardedTensor], objects: List[ShardedObject],
-                 metadata: Metadata) -> Tuple[Dict[Tuple[str, Tuple[int, ...]], torch.Tensor], Dict[str, Any]]:
-    """Collective: read the requested shards. Returns ({(key, offset): tensor}, {unique_key: object})."""
+                 metadata: Metadata) -> Tuple[Dict[Tuple, torch.Tensor], Dict[str, Any]]:
+    """Collective: read the requested shards, from whichever layout each key is stored in
+    (`resharding.plan_reads`). Returns ({request_id: tensor}, {unique_key: object})."""
     validate_request_against_metadata(tensors, metadata)
     for obj in objects:
         if not isinstance(metadata.state_dict_metadata.get(obj.unique_key), BytesStorageMetadata):
             raise CheckpointingException(f"checkpoint item {obj.unique_key!r} is not a stored object")
     check_data_files(checkpoint_dir, metadata)
-    targets = []
-    for sharded in tensors:
-        sharded.init_data("cpu")
-        data = sharded.data if sharded.data.is_contiguous() else sharded.data.contiguous()
-        targets.append((sharded, _chunk_view(sharded, data)))
-    planner = _ShardedLoadPlanner(targets, objects, checkpoint_dir)
+    plan, targets = _plan_tensor_reads(tensors, metadata)
+    planner = _ShardedLoadPlanner(plan.reads, objects, checkpoint_dir)
     reader = SafeFileSystemReader(checkpoint_dir)
     try:
         with warnings.catch_warnings():
@@ -333,11 +365,11 @@ def load_sharded(checkpoint_dir: str, tensors: List[ShardedTensor], objects: Lis
         raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise CheckpointingException(f"reading the checkpoint {checkpoint_dir} failed: {exc}") from exc
+    for finish in plan.finishers:
+        finish()
     loaded = {}
-    for sharded, target in targets:
-        # [1]*prepend_axis_num + [*local_shape] -> [*local_shape]
-        value = target.reshape(sharded.local_shape)
-        if value.data_ptr() != sharded.data.data_ptr():
-            sharded.data.copy_(value)
-        loaded[(sharded.key, tuple(sharded.global_offset))] = sharded.data
+    for sharded, data in targets:
+        if data.data_ptr() != sharded.data.data_ptr():
+            sharded.data.copy_(data)
+        loaded[request_id(sharded)] = sharded.data
     return loaded, planner.loaded_objects

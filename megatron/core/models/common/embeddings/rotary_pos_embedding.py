@@ -68,6 +68,11 @@ class RotaryEmbedding(torch.nn.Module):
             seq = seq * (1 / self.seq_len_interpolation_factor)
         return torch.outer(seq, self.inv_freq)
 
+    def get_cos_sin(self, max_seq_len: int, offset: int = 0):
+        """(cos, sin) of the angles [s, rot_dim/2] of positions offset.., for `apply_rotary_pos_emb_with_cos_sin`."""
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        return torch.cos(freqs), torch.sin(freqs)
+
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
         """Angles for positions offset..offset+max_seq_len-1 as [s, 1, 1, rot_dim]."""
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)

@@ -93,10 +93,15 @@ class LanguageModule(MegatronModule):
         return None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """Tied output weights are saved under the embedding's key; vocab-sized tensors may change shape."""
+        """Tied output weights are saved under the embedding's key; vocab-sized tensors may change shape.
+
+        Like Megatron, the output layer's `_extra_state` is never saved (tied or not): its checkpoints have no
+        `output_layer._extra_state`, and the layer (a plain ColumnParallelLinear) has none to keep.
+        """
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         embedding_key = f"{prefix}embedding.word_embeddings.weight"
         output_key = f"{prefix}output_layer.weight"
+        sharded.pop(f"{prefix}output_layer._extra_state", None)
         if self.share_embeddings_and_output_weights:
             sharded.pop(output_key, None)
             if self.post_process and not self.pre_process:

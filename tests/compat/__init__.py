@@ -1,0 +1,1 @@
+"""Compatibility with files written by Megatron-LM itself (`shared/fixtures/megatron`)."""
