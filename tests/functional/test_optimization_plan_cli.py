@@ -1,6 +1,6 @@
 """The optimisation plan through `pretrain_gpt.py`: the same command line run twice with different plan flags
 prints two different plans (one table, decision | value | why) and stores each with the checkpoint args
-(`args.optimization_plan`, plain data in common.pt); a third run resumes the second one's checkpoint with
+(`args.optimization_plan`, plain data in common.pt's args); a third run resumes the second one's checkpoint with
 `--use-checkpoint-args` and resolves its own plan. A plan that cannot be carried out ends the run as a bad
 command line does (exit 2, the problems listed). In-process, one gloo rank, CPU.
 """
@@ -39,8 +39,12 @@ def _table(output):
 
 
 def _saved_plan(save_dir):
-    common = torch.load(os.path.join(save_dir, "iter_0000002", "common.pt"), map_location="cpu", weights_only=True)
-    return common["args"]["optimization_plan"]
+    """`args.optimization_plan` of the checkpoint, read as a resume reads it (the restricted unpickler)."""
+    from megatron.core.dist_checkpointing.safe_load import safe_torch_load
+    from megatron.training.checkpointing_dist import checkpoint_args_namespace
+
+    common = safe_torch_load(os.path.join(save_dir, "iter_0000002", "common.pt"))
+    return checkpoint_args_namespace(common["args"]).optimization_plan
 
 
 def test_two_plans_for_one_command_line_printed_and_saved(tmp_path, capsys):
