@@ -19,8 +19,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _reset_global_state():
-    """Every test starts and ends without parallel_state or global args left over."""
+    """Every test starts and ends without parallel_state, global args or a fused-kernel mode left over."""
     yield
+    try:
+        from megatron.core.fusions._compile import reset_fusion_kernels
+
+        reset_fusion_kernels()
+    except Exception:
+        pass
     try:
         from megatron.core import parallel_state
 

@@ -88,13 +88,15 @@ CONFIGS = {
     "tiny": ("tiny", 1, "", 4, 6, 2),
     "tiny-pp2": ("tiny", 2, "--pipeline-model-parallel-size 2", 8, 6, 2),
 }
-# Environment switches of the fast path (see megatron/core/transformer/layer_compile.py, fusions/_compile.py).
+# Variants: the optimisation plan's flags (megatron/core/optimization_plan; the run prints the plan it chose) and
+# NCCL environment switches.
 VARIANTS = {
     "": {},
-    "nocompile": {"MEGATRON_COMPILE_LAYERS": "0"},
-    "compile": {"MEGATRON_COMPILE_LAYERS": "1"},
-    "tracelin": {"MEGATRON_COMPILE_LINEARS": "1"},  # TP linears traced into compiled layers (layers.py)
-    "eager": {"MEGATRON_COMPILE_LAYERS": "0", "MEGATRON_EAGER_FUSIONS": "1"},
+    "nocompile": {"flags": "--compile-layers off"},
+    "compile": {"flags": "--compile-layers on"},
+    "tracelin": {"flags": "--compile-linears on"},  # TP linears traced into the compiled layers
+    "eager": {"flags": "--compile-layers off --fusion-kernels eager"},
+    "p2p": {"flags": "--tp-comm-overlap-transport p2p"},  # overlap chunks by NCCL send/recv, not copy engine
     "simple": {"NCCL_PROTO": "Simple"},  # NCCL's bandwidth protocol only (no LL / LL128)
     "ctas8": {"NCCL_MAX_CTAS": "8"},  # fewer SMs for NCCL kernels that overlap compute
     "graph": {"flags": "--enable-cuda-graph"},  # per-layer CUDA graphs
@@ -111,7 +113,9 @@ LOSS_RE = re.compile(r"lm loss: ([0-9.E+-]+)")
 MEM_RE = re.compile(r"max allocated: ([0-9.]+)")
 # torchrun rendezvous ports; BENCH_PORT_BASE keeps two run_bench processes on one machine apart
 _PORTS = itertools.count(int(os.environ.get("BENCH_PORT_BASE", "29511")))
-KEEP_RE = re.compile(r"iteration|memory|Error|error|Traceback|warn|File \"|TFLOP|compile", re.IGNORECASE)
+# kept from each job's log: progress, errors, and the optimisation plan's table (its title and rows)
+KEEP_RE = re.compile(r"iteration|memory|Error|error|Traceback|warn|File \"|TFLOP|compile|optimisation plan|^  \w+ +\| ",
+                     re.IGNORECASE)
 
 
 class Job:

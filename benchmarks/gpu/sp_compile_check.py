@@ -7,7 +7,8 @@ with compiled layers, TP=2 with compiled layers without and with sequence parall
 0, the losses next to the reference, the gradient-norm ratio of one weight in each layer (1.0 = right,
 0.0 = the layer got no gradient) and the three largest relative gradient errors of the first step.
 On 2026-11-30 (before the functional-collective change in tensor_parallel/mappings.py) the last case gave
-ratio 0.0 for every layer; see megatron/core/transformer/layer_compile.py.
+ratio 0.0 for every layer; see megatron/core/transformer/layer_compile.py. Compilation is the plan's
+`--compile-layers on` (the parity test's `_train(..., compile_layers=...)`).
 """
 import os
 import sys
@@ -39,16 +40,15 @@ def _worker(rank, init_file):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    os.environ["MEGATRON_COMPILE_LAYERS"] = "0"
-    ref = _train("gpt", 1, False, 0.0, 0.0, None, device="cuda", dtype=torch.bfloat16)
-    os.environ["MEGATRON_COMPILE_LAYERS"] = "1"
-    _report(rank, "TP=1 compiled", _train("gpt", 1, False, 0.0, 0.0, None, device="cuda", dtype=torch.bfloat16), ref)
+    ref = _train("gpt", 1, False, 0.0, 0.0, None, device="cuda", dtype=torch.bfloat16, compile_layers="off")
+    compiled = _train("gpt", 1, False, 0.0, 0.0, None, device="cuda", dtype=torch.bfloat16, compile_layers="on")
+    _report(rank, "TP=1 compiled", compiled, ref)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     group = ps.get_tensor_model_parallel_group()
     for sp in (False, True):
         torch._dynamo.reset()
-        got = _train("gpt", 2, sp, 0.0, 0.0, None, group, device="cuda", dtype=torch.bfloat16)
+        got = _train("gpt", 2, sp, 0.0, 0.0, None, group, device="cuda", dtype=torch.bfloat16, compile_layers="on")
         _report(rank, f"TP=2 sequence_parallel={sp} compiled", got, ref)
     # The same with the block's model-parallel RNG fork (entered only under sequence parallelism) left out.
     import megatron.core.tensor_parallel as tp_module
@@ -61,7 +61,7 @@ def _worker(rank, init_file):
     tracker = tp_module.get_cuda_rng_tracker
     tp_module.get_cuda_rng_tracker = lambda: _NoFork()
     torch._dynamo.reset()
-    got = _train("gpt", 2, True, 0.0, 0.0, None, group, device="cuda", dtype=torch.bfloat16)
+    got = _train("gpt", 2, True, 0.0, 0.0, None, group, device="cuda", dtype=torch.bfloat16, compile_layers="on")
     _report(rank, "TP=2 sequence_parallel=True compiled, no RNG fork", got, ref)
     tp_module.get_cuda_rng_tracker = tracker
     dist.destroy_process_group()

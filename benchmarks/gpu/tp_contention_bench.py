@@ -8,8 +8,9 @@ linear, rank 0 prints one JSON line of medians (ms):
 - `mm_chunks_nccl_busy` / `mm_chunks_ce_busy`: the two GEMMs while the 32 MB chunk crosses to the peer on a
   side stream, through NCCL send/recv (SM kernels) / a copy-engine peer copy out of symmetric memory;
 - `serial`: the plain collective then the GEMM; `ours`: `tensor_parallel.overlap` as the product runs it
-  (the copy-engine transport since the sixth session; `MEGATRON_TP_OVERLAP_TRANSPORT=nccl` gives the NCCL
-  ring exchange, which is what the 2026-11-30 15:22 measurement in docs/performance.md ran);
+  (the copy-engine transport, the plan's `auto` on GPUs since the sixth session; `ours_p2p`: the NCCL ring
+  exchange, `--tp-comm-overlap-transport p2p`, which is what the 2026-11-30 15:22 measurement in
+  docs/performance.md ran as `ours`);
 - `ce`: the standalone prototype of the copy-engine pipeline (symmetric memory + barriers) that the
   transport grew from;
 - `nccl_xfer` / `ce_xfer`: the transfer alone.
@@ -135,7 +136,8 @@ def main():
             def serial():
                 dist.all_gather_into_tensor(gathered, x, group=group)
                 return torch.matmul(gathered, weight.t())
-            ours = lambda: overlap.all_gather_matmul(x, weight, None, group)  # noqa: E731
+            ours = lambda: overlap.all_gather_matmul(x, weight, None, group, peer_copy=True)  # noqa: E731
+            ours_p2p = lambda: overlap.all_gather_matmul(x, weight, None, group)  # noqa: E731
             ce = lambda: ce_all_gather_matmul(x, weight, peer)  # noqa: E731
         else:
             x = torch.randn(seq, batch, in_f, device="cuda", dtype=torch.bfloat16)
@@ -144,10 +146,11 @@ def main():
             def serial():
                 dist.reduce_scatter_tensor(out, torch.matmul(x, weight.t()), group=group)
                 return out
-            ours = lambda: overlap.matmul_reduce_scatter(x, weight, group)  # noqa: E731
+            ours = lambda: overlap.matmul_reduce_scatter(x, weight, group, peer_copy=True)  # noqa: E731
+            ours_p2p = lambda: overlap.matmul_reduce_scatter(x, weight, group)  # noqa: E731
             ce = lambda: ce_matmul_reduce_scatter(x, weight, peer)  # noqa: E731
         reference = serial().clone()
-        row.update(serial=timed(serial), ours=timed(ours), ce=timed(ce),
+        row.update(serial=timed(serial), ours=timed(ours), ours_p2p=timed(ours_p2p), ce=timed(ce),
                    ce_max_diff=(ce() - reference).abs().max().item(),
                    ours_max_diff=(ours() - reference).abs().max().item())
         rows.append(row)

@@ -1,8 +1,8 @@
 """FP8 helpers Megatron Core code imports from `megatron.core.fp8_utils`, for this project's native FP8.
 
 Native FP8 (`megatron/core/fp8/`) quantizes the transformer layers' GEMM operands on the fly and keeps
-parameters in bf16/fp16; there are no FP8 parameter tensors and no `fp8_autocast` region: `TransformerBlock`
-switches its linears to FP8 at construction (`enable_fp8`). So:
+parameters in bf16/fp16; there are no FP8 parameter tensors and no `fp8_autocast` region: the optimisation
+plan switches the transformer layers' linears to FP8 once the model is built (`optimization_plan.apply`). So:
 - `is_float8tensor` / `is_mxfp8tensor` are True only for Transformer Engine's quantized tensors, which exist
   only when TE has been imported (TE is never imported here);
 - `get_fp8_context` returns a no-op context for the native layers (their FP8 is already on), after checking
@@ -142,11 +142,11 @@ def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
     """The FP8 context to run (or, with `is_init`, to build) global layer `layer_no` in; -1 means all layers.
 
     Megatron returns Transformer Engine's `fp8_autocast` (or `fp8_model_init`) and `nullcontext()` when FP8
-    is off or the layer is kept in bf16. The native layers are switched to FP8 when they are built, so the
+    is off or the layer is kept in bf16. The native layers are switched to FP8 by the optimisation plan, so the
     context itself is `nullcontext()`: code written as `with get_fp8_context(config, i): layer(...)` runs
     the same layers with the same FP8 GEMMs. What the native path cannot run (FP8 parameters, block-scaled
-    recipes, bf16 first/last layers, ...; `megatron.core.fp8.recipe.fp8_config_problems`) raises one
-    ValueError listing every problem, as building the model would.
+    recipes, bf16 first/last layers, ...; `megatron.core.fp8.recipe.fp8_config_problems`, the rules the plan
+    checks) raises one ValueError listing every problem, as resolving the plan would.
     """
     if getattr(config, "fp8", None) is None:
         return nullcontext()

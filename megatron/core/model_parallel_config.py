@@ -98,9 +98,14 @@ class ModelParallelConfig:
     tp_comm_overlap: bool = False
     """Overlap the sequence-parallel all-gathers / reduce-scatters of the linear layers (forward and backward)
     with their GEMMs (`--tp-comm-overlap`; native chunked pipelines in `tensor_parallel/overlap.py`, no
-    userbuffers). On GPUs of one host the chunks move by copy-engine peer copies out of symmetric memory
-    (`tensor_parallel.mappings.PeerCopyTransport`), elsewhere over a point-to-point ring. Needs
-    sequence_parallel."""
+    userbuffers). How the chunks move is `tp_comm_overlap_transport`. Needs sequence_parallel. A decision of
+    the optimisation plan (`megatron.core.optimization_plan`), which applies it to the built layers."""
+
+    tp_comm_overlap_transport: str = "auto"
+    """`--tp-comm-overlap-transport` (this framework's flag): how the `--tp-comm-overlap` pipelines move their
+    chunks: 'copy-engine' (peer copies out of torch's symmetric memory, `tensor_parallel.peer_copy`; the TP
+    ranks must share a host), 'p2p' (point-to-point sends over the TP group's backend) or 'auto'
+    (copy-engine on CUDA with NCCL, p2p elsewhere)."""
 
     tp_comm_bulk_wgrad: bool = True
     """TP overlap option: bulk overlap of the weight-grad GEMM. Ignored unless tp_comm_overlap."""

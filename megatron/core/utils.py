@@ -1,7 +1,8 @@
 """Small helpers shared by every part of Megatron Core.
 
 This module sits at the bottom of the import graph: it imports nothing from `megatron.core` except
-`config` (the experimental switch), so any module may import it.
+`config` (the experimental switch), `package_info` and the re-export table (`megatron.core.reexports`), so any
+module may import it.
 """
 import importlib
 import importlib.metadata
@@ -17,6 +18,7 @@ from packaging.version import Version
 
 from megatron.core import config as _config
 from megatron.core.package_info import __version__ as _mcore_version
+from megatron.core.reexports import lazy_attribute
 
 logger = logging.getLogger(__name__)
 
@@ -453,21 +455,7 @@ def nvtx_decorator(message: Optional[str] = None, color: Optional[str] = None):
     return decorate
 
 
-# Megatron exposes these from `megatron.core.utils`; they live higher in the import graph, so they are
-# resolved lazily (PEP 562) to keep this module at the bottom of it.
-_LAZY_REEXPORTS = {
-    "get_pg_size": "megatron.core.process_groups_config",
-    "get_pg_rank": "megatron.core.process_groups_config",
-    "get_tensor_model_parallel_group_if_none": "megatron.core.process_groups_config",
-    "make_tp_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.utils",
-    "make_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.utils",
-    "GlobalMemoryBuffer": "megatron.core.parallel_state",
-}
-
-
+# Megatron also exposes names from here that live higher in the import graph (`get_pg_size`, ...); they
+# are resolved lazily (PEP 562) from the table in `megatron.core.reexports`.
 def __getattr__(name):
-    if name in _LAZY_REEXPORTS:
-        value = getattr(importlib.import_module(_LAZY_REEXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'megatron.core.utils' has no attribute {name!r}")
+    return lazy_attribute(__name__, name)

@@ -21,6 +21,8 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     update_num_microbatches,
 )
+from megatron.core.optimization_plan.apply import apply_optimization_plan, device_facts_of
+from megatron.core.optimization_plan.resolve import PlanError, format_plan, resolve_plan
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -105,8 +107,22 @@ def _wrap_data_parallel(model, args, num_parameters):
     return wrapped
 
 
+def _apply_optimization_plan(model, args) -> None:
+    """Resolve the optimisation plan for the built chunks, print it (rank 0), keep it in the args (so that it
+    is saved with every checkpoint as `args.optimization_plan`) and apply it. Settings the plan cannot carry
+    out end the run like a bad command line (every problem listed, exit status 2)."""
+    try:
+        plan = resolve_plan(get_model_config(model[0]), device_facts_of(model))
+    except PlanError as error:
+        arguments_mod.exit_on_arguments_error(arguments_mod.ArgumentsError(error.problems))
+    print_rank_0(format_plan(plan))
+    args.optimization_plan = plan.as_dict()
+    apply_optimization_plan(model, plan)
+
+
 def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp=True):
-    """Build this rank's model chunks (one per virtual stage), move to GPU, wrap for fp16/bf16 and DDP."""
+    """Build this rank's model chunks (one per virtual stage), move to GPU, apply the optimisation plan, wrap
+    for fp16/bf16 and DDP."""
     args = get_args()
     args.model_type = model_type
     if args.init_model_with_meta_device:
@@ -125,6 +141,7 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             getattr(args, "use_torch_fsdp2", False) and args.use_cpu_initialization):
         for chunk in model:
             chunk.cuda(torch.cuda.current_device())
+    _apply_optimization_plan(model, args)
     if args.fp16 or args.bf16:
         config = get_model_config(model[0])
         model = [Float16Module(config, chunk) for chunk in model]

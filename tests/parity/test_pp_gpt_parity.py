@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.harness import run_on_ranks
+from tests.unit.transformer.model_setup import apply_plan
 
 VOCAB, SEQ, MBS, HIDDEN, HEADS = 128, 16, 2, 32, 4
 LR, ITERATIONS = 0.5, 2
@@ -64,7 +65,8 @@ def _reference_model(case):
     torch.manual_seed(7)
     model_parallel_cuda_manual_seed(7)
     config = _config(dict(case, first=None, last=None))
-    return GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=case["tied"])
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ, share_embeddings_and_output_weights=case["tied"])
+    return apply_plan(model)[0]
 
 
 def _batches(num_microbatches):
@@ -125,6 +127,7 @@ def _stage_chunks(case, config, reference_state):
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=case["tied"], vp_stage=stage,
         )
+        apply_plan(model)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(_tp_slice(param, reference_state[_reference_name(model, name, case["tied"])]))

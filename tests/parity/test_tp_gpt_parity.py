@@ -60,7 +60,7 @@ CONFIGS = GPT_CONFIGS + LLAMA_CONFIGS
 FP8_TOLERANCES = (1e-5, 1e-4)
 
 
-def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute, dtype=torch.float32):
+def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute, dtype=torch.float32, **plan_flags):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -71,6 +71,7 @@ def _build(kind, tp, sp, hidden_dropout, attention_dropout, recompute, dtype=tor
               tensor_model_parallel_size=tp, sequence_parallel=bool(sp), tp_comm_overlap=sp in ("overlap", "peercopy"),
               hidden_dropout=hidden_dropout, attention_dropout=attention_dropout, init_method_std=0.2,
               params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    kw.update(plan_flags)  # --compile-layers etc. (config fields of the same names)
     if recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif recompute:
@@ -110,13 +111,24 @@ def _gather_full(param, grad, tp_group, tp):
     return torch.cat([pieces[r][j] for j in range(stride) for r in range(tp)], dim=dim)
 
 
-def _train(kind, tp, sp, hd, ad, recompute, tp_group=None, device="cpu", dtype=torch.float32):
-    """Run STEPS optimizer steps; return per step (loss, {name: full fp32 grad on the CPU})."""
+def _train(kind, tp, sp, hd, ad, recompute, tp_group=None, device="cpu", dtype=torch.float32, **plan_flags):
+    """Run STEPS optimizer steps; return per step (loss, {name: full fp32 grad on the CPU}). The optimisation
+    plan is applied as `get_model` does (`plan_flags`: its config fields, e.g. compile_layers='on');
+    'peercopy' configurations take the copy-engine transport (the test seeds its gloo stand-in, which the CPU
+    plan would not choose)."""
+    from megatron.core.optimization_plan.resolve import Decision
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.tensor_parallel.mappings import all_reduce_tensor
+    from tests.unit.transformer.model_setup import apply_plan
 
     model_parallel_cuda_manual_seed(SEED)
-    model = _build(kind, tp, sp, hd, ad, recompute, dtype).to(device=device, dtype=dtype)  # as Float16Module does
+    model = _build(kind, tp, sp, hd, ad, recompute, dtype, **plan_flags)
+    model = model.to(device=device, dtype=dtype)  # as Float16Module does
+    copy_engine = {"tp_comm_transport": Decision("copy-engine", "the test's stand-in")} if sp == "peercopy" else {}
+    _, plan = apply_plan(model, **copy_engine)
+    if sp in ("overlap", "peercopy"):  # the plan turned the pipelines on in every sequence-parallel linear
+        assert plan.tp_comm_overlap.value == {"all_gather": True, "reduce_scatter": True}
+        assert model.decoder.layers[0].mlp.linear_fc1.tp_comm_overlap_halves == ("ag", "rs")
     model.train()
     # SGD with momentum: the update is linear in the gradient, so summation-order noise stays at
     # round-off level. (Adam divides by sqrt(v): a near-zero gradient entry whose sign is round-off
@@ -163,7 +175,7 @@ class _EmulatedExchange:
 
 
 def _emulated_peer_copy_class():
-    from megatron.core.tensor_parallel.mappings import PeerCopyTransport
+    from megatron.core.tensor_parallel.peer_copy import PeerCopyTransport
 
     class Emulated(PeerCopyTransport):
         """CPU stand-in for the copy-engine transport: the same schedule of regions, fetches and sums
@@ -173,8 +185,10 @@ def _emulated_peer_copy_class():
             import torch.distributed as dist
 
             self.group, self.world_size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+            self.operations = 0
 
         def begin(self, shape, dtype):
+            self.operations += 1
             return _EmulatedExchange(self.group, shape, dtype)
     return Emulated
 
@@ -189,16 +203,18 @@ def _rank_body(tp):
     import torch.distributed as dist
 
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import peer_copy
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     group = ps.get_tensor_model_parallel_group()
     results, start = {}, time.time()
     for name, kind, sp, hd, ad, recompute, _ in CONFIGS:
         if sp == "peercopy":
-            mappings._PEER_TRANSPORTS[group] = _EmulatedPeerCopy(group)
+            peer_copy._PEER_TRANSPORTS[group] = _EmulatedPeerCopy(group)
         history = _train(kind, tp, sp, hd, ad, recompute, group)
-        mappings._PEER_TRANSPORTS.pop(group, None)
+        transport = peer_copy._PEER_TRANSPORTS.pop(group, None)
+        if sp == "peercopy":  # the plan's copy-engine transport took the stand-in's schedule
+            assert transport.operations > 0, name
         # numpy arrays pickle by value (torch tensors would go through shared-memory handles)
         results[name] = [(loss, {k: g.numpy() for k, g in grads.items()}) for loss, grads in history]
     results["_seconds"] = time.time() - start

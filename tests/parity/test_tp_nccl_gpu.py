@@ -28,12 +28,12 @@ GPU_CONFIGS = [  # name, kind, sequence_parallel, recompute
     ("gpt-sp-selective", "gpt", True, "selective"),
     ("llama-sp", "llama", True, None),
     ("llama-sp-full-block", "llama", True, "full-block"),
-    # forced compilation (not the default for TP + SP layers, see layer_compile.py): collectives traced
+    # forced compilation (--compile-layers on; auto leaves TP + SP layers eager): collectives traced
     ("gpt-sp-compiled", "gpt", True, None),
     ("llama-sp-compiled", "llama", True, None),
-    # the linears traced into the compiled layers too (MEGATRON_COMPILE_LINEARS=1, tensor_parallel/layers.py)
+    # the linears traced into the compiled layers too (--compile-linears on)
     ("gpt-sp-compiled-traced", "gpt", True, None),
-    # --tp-comm-overlap: chunks moved by copy-engine peer copies (the default on GPUs), and by NCCL send/recv
+    # --tp-comm-overlap: chunks moved by copy-engine peer copies (auto on GPUs), and by NCCL send/recv (p2p)
     ("gpt-sp-overlap", "gpt", "overlap", None),
     ("llama-sp-overlap-selective", "llama", "overlap", "selective"),
     ("gpt-sp-overlap-nccl", "gpt", "overlap", None),
@@ -41,20 +41,16 @@ GPU_CONFIGS = [  # name, kind, sequence_parallel, recompute
 
 
 def _train_tp2(name, kind, sp, recompute, group):
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import peer_copy
 
-    os.environ["MEGATRON_COMPILE_LAYERS"] = "1" if "-compiled" in name else "0"
-    os.environ["MEGATRON_COMPILE_LINEARS"] = "1" if name.endswith("-traced") else "0"
-    os.environ["MEGATRON_TP_OVERLAP_TRANSPORT"] = "nccl" if name.endswith("-nccl") else "auto"
-    mappings._PEER_TRANSPORTS.pop(group, None)  # the transport is chosen afresh for this case
-    try:
-        history = _train(kind, 2, sp, 0.0, 0.0, recompute, group, device="cuda", dtype=torch.bfloat16)
-        if sp == "overlap":  # the case ran on the transport it names
-            assert (group in mappings._PEER_TRANSPORTS) == (not name.endswith("-nccl")), name
-        return history
-    finally:
-        for key in ("MEGATRON_COMPILE_LAYERS", "MEGATRON_COMPILE_LINEARS", "MEGATRON_TP_OVERLAP_TRANSPORT"):
-            del os.environ[key]
+    plan_flags = dict(compile_layers="on" if "-compiled" in name else "off",
+                      compile_linears="on" if name.endswith("-traced") else "off",
+                      tp_comm_overlap_transport="p2p" if name.endswith("-nccl") else "auto")
+    peer_copy._PEER_TRANSPORTS.pop(group, None)  # the transport is created afresh for this case
+    history = _train(kind, 2, sp, 0.0, 0.0, recompute, group, device="cuda", dtype=torch.bfloat16, **plan_flags)
+    if sp == "overlap":  # the case ran on the transport it names
+        assert (group in peer_copy._PEER_TRANSPORTS) == (not name.endswith("-nccl")), name
+    return history
 
 
 def _worst(got, want):

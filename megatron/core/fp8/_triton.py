@@ -7,7 +7,6 @@ never imports an optional package on machines without it (CPU CI walks and impor
 """
 import torch
 
-from megatron.core.fp8.kernels import FP8_MAX
 from megatron.core.utils import module_available
 
 # Launch settings measured on an H200 (benchmarks/gpu/fp8_quant_sweep.py, activations of 16384 tokens): the
@@ -124,8 +123,10 @@ def _quantize(tensor: torch.Tensor, amax_: torch.Tensor, amax_len: int, fp8_dtyp
     scale_inv = torch.empty(1, dtype=torch.float32, device=tensor.device)
     grid = (triton.cdiv(rows, _TILE_M), triton.cdiv(cols, _TILE_N))
     partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=tensor.device) if with_partials else None
+    # the format's largest finite value (448 for E4M3, 57344 for E5M2), the `kernels.FP8_MAX` entry
+    fp8_max = torch.finfo(fp8_dtype).max
     _quantize_kernel[grid](tensor, amax_, amax_len, q, q_t if transpose else q, scale_inv,
-                           scale_inv if partials is None else partials, rows, cols, FP8_MAX[fp8_dtype], 2.0 ** margin,
+                           scale_inv if partials is None else partials, rows, cols, fp8_max, 2.0 ** margin,
                            WRITE_T=transpose, AMAX_OUT=with_partials, BLOCK_M=_TILE_M, BLOCK_N=_TILE_N,
                            AMAX_BLOCK=1 if amax_len == 1 else triton.next_power_of_2(amax_len), num_warps=_TILE_WARPS)
     return q, q_t, scale_inv, partials

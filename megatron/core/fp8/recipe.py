@@ -1,13 +1,17 @@
-"""FP8 recipes (`--fp8-format`, `--fp8-recipe`, ...) and the per-linear scaling state they need."""
+"""FP8 recipes (`--fp8-format`, `--fp8-recipe`, ...), the rules a config's FP8 fields must satisfy, and the
+per-linear scaling state.
+
+This package is pure math below the tensor-parallel layers: it imports nothing of megatron but
+`megatron.core.utils`. Communication it needs (the amax reduction over the ranks that hold shards of an
+operand) is handed in as a function by the layer that owns the process group.
+"""
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.fp8 import kernels
-from megatron.core.process_groups_config import get_pg_size
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("delayed", "tensorwise")
@@ -55,25 +59,29 @@ class Fp8Recipe:
                    wgrad=config.fp8_wgrad)
 
 
-def fp8_config_problems(config) -> List[str]:
-    """What in a config's FP8 fields the native FP8 path cannot run, each with the fix."""
+def fp8_config_problems(config, te_modules: Sequence[str] = ()) -> List[str]:
+    """Every FP8 rule, checked in this one place (by `optimization_plan.resolve.resolve_plan`): what in a
+    config's FP8 fields the native FP8 path cannot run, each problem naming the flag, the value and the fix.
+    `te_modules`: names of Transformer Engine module types in the model (their own FP8 is not wired here)."""
     if getattr(config, "fp8", None) is None:
         return []
     problems = []
     if config.fp8 not in FORMATS:
-        problems.append(f"fp8={config.fp8!r} is not an FP8 format: use 'e4m3' or 'hybrid'.")
+        problems.append(f"--fp8-format (fp8={config.fp8!r}) is not an FP8 format: use e4m3 or hybrid.")
     if (config.fp8_recipe or "delayed") not in RECIPES:
-        problems.append(f"fp8_recipe={config.fp8_recipe!r} is not implemented natively (it needs Blackwell-class "
-                        "block scaling): use 'delayed' or 'tensorwise'.")
+        problems.append(f"--fp8-recipe (fp8_recipe={config.fp8_recipe!r}) is not implemented natively (it needs "
+                        "Blackwell-class block scaling): use delayed or tensorwise.")
     if config.fp8_amax_history_len < 1:
-        problems.append(f"fp8_amax_history_len ({config.fp8_amax_history_len}) must be at least 1.")
+        problems.append(f"--fp8-amax-history-len (fp8_amax_history_len ({config.fp8_amax_history_len})) must be "
+                        "at least 1.")
     if config.fp8_amax_compute_algo not in AMAX_ALGOS:
-        problems.append(f"fp8_amax_compute_algo={config.fp8_amax_compute_algo!r}: use 'most_recent' or 'max'.")
+        problems.append(f"--fp8-amax-compute-algo (fp8_amax_compute_algo={config.fp8_amax_compute_algo!r}): use "
+                        "most_recent or max.")
     if config.fp8_margin < 0:
-        problems.append(f"fp8_margin ({config.fp8_margin}) must be >= 0.")
+        problems.append(f"--fp8-margin (fp8_margin ({config.fp8_margin})) must be >= 0.")
     if config.fp8_param:
-        problems.append("fp8_param (FP8 parameters) is not implemented: keep the parameters in bf16/fp16; the GEMMs "
-                        "still run in FP8.")
+        problems.append("--fp8-param-gather (fp8_param): FP8 parameters are not implemented: keep the parameters "
+                        "in bf16/fp16; the GEMMs still run in FP8.")
     for field, what in (("fp8_dot_product_attention", "FP8 attention"),
                         ("fp8_multi_head_attention", "FP8 attention projections outside the linears"),
                         ("first_last_layers_bf16", "keeping the first/last layers in bf16")):
@@ -81,35 +89,33 @@ def fp8_config_problems(config) -> List[str]:
             problems.append(f"{field}: {what} is not implemented natively; set it False (the linears' GEMMs "
                             "still run in FP8).")
     if getattr(config, "tp_comm_overlap", False):
-        problems.append("fp8 with tp_comm_overlap: the FP8 GEMMs do not pipeline TP communication; drop one of them.")
+        problems.append(f"--fp8-format {config.fp8} with --tp-comm-overlap: the FP8 GEMMs do not pipeline TP "
+                        "communication; drop --tp-comm-overlap (or --fp8-format).")
+    if te_modules:
+        problems.append(f"--fp8-format {config.fp8} with Transformer Engine's modules ({', '.join(te_modules)}): "
+                        "their FP8 (fp8_autocast) is not wired here; add --transformer-impl local for the native "
+                        "FP8 GEMMs.")
     return problems
 
 
 class TensorScaling:
     """The scale of one operand (input, weight or output gradient) of one linear.
 
-    `amax_group`: the process group whose ranks each hold a shard of this operand (a tensor-parallel
-    weight, a column-parallel output gradient, a row-parallel input). Its amax is the maximum over the
-    group (one tiny all-reduce), so every shard is quantized with the scale the whole tensor gets in a
-    single-process run, as Transformer Engine's amax reduction does.
+    `amax_reduce(amax) -> amax`: for an operand split over several ranks (a tensor-parallel weight, a
+    column-parallel output gradient, a row-parallel input), the maximum over those ranks (one tiny
+    all-reduce, supplied by the layer), so that every shard is quantized with the scale the whole tensor
+    gets in a single-process run, as Transformer Engine's amax reduction does. None: the operand is whole.
     """
 
-    def __init__(self, recipe: Fp8Recipe, dtype: torch.dtype, amax_group=None):
+    def __init__(self, recipe: Fp8Recipe, dtype: torch.dtype,
+                 amax_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         self.recipe = recipe
         self.dtype = dtype
-        self.amax_group = amax_group if amax_group is not None and get_pg_size(amax_group) > 1 else None
+        self.amax_reduce = amax_reduce
         self.amax_history: Optional[torch.Tensor] = None
-        self._all_reduce = None
-        if self.amax_group is not None:
-            # imported here, once: tensor_parallel's package imports the layers, which import this module
-            from megatron.core.tensor_parallel.mappings import all_reduce_tensor
-
-            self._all_reduce = all_reduce_tensor
 
     def _reduced(self, amax_: torch.Tensor) -> torch.Tensor:
-        if self._all_reduce is not None:
-            self._all_reduce(amax_, self.amax_group, op=dist.ReduceOp.MAX)
-        return amax_
+        return amax_ if self.amax_reduce is None else self.amax_reduce(amax_)
 
     def quantize(self, tensor: torch.Tensor, transpose: bool, record: bool = True):
         """(q, q^T or None, scale_inv) of a 2-D tensor under this operand's recipe.
@@ -131,27 +137,28 @@ class TensorScaling:
                 self.amax_history[:1].copy_(torch.where(torch.isfinite(current), current, 0.0))
             return kernels.quantize(tensor, current, self.dtype, recipe.margin, transpose)
         return kernels.quantize_delayed(tensor, history, recipe.amax_compute_algo == "max", self.dtype, recipe.margin,
-                                        transpose, record, self._reduced if self._all_reduce is not None else None)
+                                        transpose, record, self.amax_reduce)
 
 
 class Fp8LinearState:
     """The FP8 recipe of one linear layer and the scaling state of its three GEMM operands.
 
-    `sharded`: which operands ('input', 'weight', 'grad_output') are split over `tp_group` (their amax is
-    reduced over it)."""
+    `sharded`: which operands ('input', 'weight', 'grad_output') are split over the layer's tensor-parallel
+    group; their amax goes through `amax_reduce` (see `TensorScaling`)."""
 
-    def __init__(self, recipe: Fp8Recipe, tp_group=None, sharded: Tuple[str, ...] = ()):
+    def __init__(self, recipe: Fp8Recipe, sharded: Tuple[str, ...] = (),
+                 amax_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         unknown = set(sharded) - {"input", "weight", "grad_output"}
         if unknown:
             raise ValueError(f"Fp8LinearState: unknown operands {sorted(unknown)} in sharded={sharded!r}")
 
-        def group(name):
-            return tp_group if name in sharded else None
+        def reduce_for(name):
+            return amax_reduce if name in sharded else None
 
         self.recipe = recipe
-        self.input = TensorScaling(recipe, recipe.forward_dtype, group("input"))
-        self.weight = TensorScaling(recipe, recipe.forward_dtype, group("weight"))
-        self.grad_output = TensorScaling(recipe, recipe.backward_dtype, group("grad_output"))
+        self.input = TensorScaling(recipe, recipe.forward_dtype, reduce_for("input"))
+        self.weight = TensorScaling(recipe, recipe.forward_dtype, reduce_for("weight"))
+        self.grad_output = TensorScaling(recipe, recipe.backward_dtype, reduce_for("grad_output"))
 
     def __repr__(self):
         return f"Fp8LinearState({self.recipe.fp8_format}, {self.recipe.recipe})"

@@ -1,22 +1,37 @@
 """Lazy `torch.compile` for elementwise fusions: used only on CUDA tensors, never on CPU.
 
 Compiling costs seconds on first use and gives no speed-up for these elementwise chains on CPU, so
-CPU tensors always take the eager path. A compile failure (at construction or on the first call)
-falls back to eager once and for all. Setting the environment variable `MEGATRON_EAGER_FUSIONS=1`
-keeps every fusion eager on CUDA too (the plain reference path for numerics comparisons).
+CPU tensors always take the eager path. Whether CUDA tensors take the compiled functions and the Triton
+kernels ('compiled') or the plain PyTorch reference ('eager', for numerics comparisons) is the
+`--fusion-kernels` decision of the optimisation plan (`megatron.core.optimization_plan`), set here by
+`set_fusion_kernels`. It is process-wide because the fused functions are module-level objects shared by
+every model of the process; tests reset it with `reset_fusion_kernels`. A compile failure is an error
+naming the function and the flag, never a silent fallback.
 """
-import logging
-import os
 import types
 
 import torch
 
-logger = logging.getLogger(__name__)
+FUSION_KERNELS = ("compiled", "eager")
+_DEFAULT_FUSION_KERNELS = "compiled"
+_fusion_kernels = {"mode": _DEFAULT_FUSION_KERNELS}
+
+
+def set_fusion_kernels(mode: str) -> None:
+    """Run the fused functions on CUDA tensors 'compiled' (default) or 'eager' from now on (the plan's choice)."""
+    if mode not in FUSION_KERNELS:
+        raise ValueError(f"--fusion-kernels ({mode!r}): expected one of {', '.join(FUSION_KERNELS)}")
+    _fusion_kernels["mode"] = mode
+
+
+def reset_fusion_kernels() -> None:
+    """Back to the default ('compiled'), for tests that switch it."""
+    _fusion_kernels["mode"] = _DEFAULT_FUSION_KERNELS
 
 
 def eager_fusions_requested() -> bool:
-    """True when `MEGATRON_EAGER_FUSIONS=1` asks for the eager reference path on CUDA."""
-    return os.environ.get("MEGATRON_EAGER_FUSIONS", "0") == "1"
+    """True when the plan chose the eager reference path for CUDA tensors (`--fusion-kernels eager`)."""
+    return _fusion_kernels["mode"] == "eager"
 
 
 # Argument signatures (shapes, strides, dtypes) compiled per function, each with its sizes as constants;
@@ -60,7 +75,6 @@ class CudaCompiled:
     def __init__(self, fn):
         self.fn = fn
         self._specialised = {}
-        self._failed = False
 
     def _compiled_for(self, args):
         """[compiled function, proven] for these arguments (proven: it has run once without failing), or None
@@ -74,8 +88,8 @@ class CudaCompiled:
     def __call__(self, *args):
         first = args[0]
         # Inside a compiled region (a compiled transformer layer) the outer compiler fuses the eager code.
-        # MEGATRON_EAGER_FUSIONS is read at each call (not remembered), so a process may switch it.
-        if torch.compiler.is_compiling() or self._failed or not (torch.is_tensor(first) and first.is_cuda):
+        # The mode is read at each call (not remembered), so a process may switch it.
+        if torch.compiler.is_compiling() or not (torch.is_tensor(first) and first.is_cuda):
             return self.fn(*args)
         if eager_fusions_requested():
             return self.fn(*args)
@@ -86,9 +100,9 @@ class CudaCompiled:
             return entry[0](*args)
         try:
             result = entry[0](*args)
-        except Exception as error:  # any compiler failure: the eager function computes the same result
-            logger.warning("torch.compile of %s failed (%s); using the eager version.", self.fn.__name__, error)
-            self._failed = True
-            return self.fn(*args)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            raise RuntimeError(f"torch.compile of the fused {self.fn.__name__} failed (run the fusions as plain "
+                               "PyTorch with --fusion-kernels eager, fusion_kernels='eager'): "
+                               f"{type(error).__name__}: {error}") from error
         entry[1] = True
         return result

@@ -44,7 +44,7 @@ def _swiglu_back_triton_fake(g, y):
 
 
 def _swiglu_backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel where it applies (CUDA, contiguous; not under `MEGATRON_EAGER_FUSIONS=1`), else the
+    """The Triton kernel where it applies (CUDA, contiguous; not under `--fusion-kernels eager`), else the
     compiled (CUDA) or eager (CPU) `swiglu_back`."""
     if _triton_swiglu.usable(g, y) and not eager_fusions_requested():
         return swiglu_back_triton(g, y)

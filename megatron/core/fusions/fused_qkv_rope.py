@@ -1,6 +1,6 @@
 """The fused QKV projection's output split into queries, keys and values, with rotary position embeddings
 applied to queries and keys: one Triton kernel forward and one backward on CUDA (`_triton_qkv_rope`).
-Elsewhere (CPU, interleaved rotation, `MEGATRON_EAGER_FUSIONS=1`; packed sequences and q/k norms are left to
+Elsewhere (CPU, interleaved rotation, `--fusion-kernels eager`; packed sequences and q/k norms are left to
 the caller too) `try_fused_qkv_rope` returns None and self-attention splits and rotates the plain way.
 
 The kernels are custom ops, so a compiled transformer layer calls them as opaque steps instead of generating

@@ -45,6 +45,7 @@ from megatron.core.optimizer.sharded_state import (
     param_to_sharded_map,
     torch_optimizer_sharded_state,
 )
+from megatron.core.reexports import lazy_attribute
 
 # Megatron's name: the keys that identify a param group when matching checkpoint state to groups.
 param_group_identifier_keys = PARAM_GROUP_IDENTIFIER_KEYS
@@ -668,9 +669,5 @@ class FP32Optimizer(MegatronOptimizer):
 
 
 def __getattr__(name: str):
-    """`ChainedOptimizer` lives in `chained_optimizer.py`; Megatron's import path through this module stays."""
-    if name == "ChainedOptimizer":
-        from megatron.core.optimizer.chained_optimizer import ChainedOptimizer
-
-        return ChainedOptimizer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """`ChainedOptimizer` (in `chained_optimizer.py`) through Megatron's import path (`megatron.core.reexports`)."""
+    return lazy_attribute(__name__, name)

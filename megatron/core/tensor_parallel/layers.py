@@ -11,8 +11,7 @@ linear backward, so `gradient_accumulation_fusion=True` (the CLI default) works 
 into an fp32 `main_grad` with one fp32-output GEMM on CUDA where torch has it (probed once, see
 `addmm_fp32_out_supported`), else with a half-precision matmul, a cast and an add.
 """
-import os
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +23,13 @@ from megatron.core.fp8.recipe import Fp8LinearState, Fp8Recipe
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
 from megatron.core.tensor_parallel.mappings import (
+    ReduceOp,
     all_gather_along_first_dim,
     all_gather_along_first_dim_async,
     all_reduce_tensor,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
-    peer_copy_transport,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_along_first_dim_async,
     reduce_scatter_to_sequence_parallel_region,
@@ -38,6 +37,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.overlap import (
     all_gather_matmul, matmul_reduce_scatter, matmul_reduce_scatter_async)
+from megatron.core.tensor_parallel.peer_copy import peer_copy_transport
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.tensor_parallel.utils import VocabUtility, make_sharded_state_dict_for_layer
 from megatron.core.utils import divide
@@ -184,10 +184,10 @@ def addmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def _accumulate_weight_grad(weight, grad_output_2d, input_2d):
     """Add the weight gradient into `weight.main_grad`; return the placeholder grad Megatron's DDP expects.
 
-    Eager only. Traced by `torch.compile` (`trace_linears_when_compiling`), the linears return the weight
-    gradient to autograd instead and DDP's hook adds it into `main_grad`: the flag set here is an
-    attribute change torch.compile cannot keep inside an autograd.Function (dynamo would give up on the
-    function and run it eagerly).
+    Eager only. Traced by `torch.compile` (a layer's `trace_when_compiled`, `--compile-linears on`), the
+    linears return the weight gradient to autograd instead and DDP's hook adds it into `main_grad`: the flag
+    set here is an attribute change torch.compile cannot keep inside an autograd.Function (dynamo would give
+    up on the function and run it eagerly).
 
     Same dtype: one in-place addmm. bf16/fp16 into fp32 on CUDA: one GEMM with an fp32 output where
     the installed torch has it (`addmm_fp32_out_supported`), else a half-precision matmul, a cast and
@@ -243,7 +243,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                grad_output_buffer, wgrad_deferral_limit, tp_group, overlap_all_gather=False):
+                grad_output_buffer, wgrad_deferral_limit, tp_group, overlap_all_gather=False, peer_copy=False):
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -252,10 +252,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.grad_output_buffer = grad_output_buffer
         ctx.wgrad_deferral_limit = wgrad_deferral_limit
         ctx.tp_group = tp_group
-        ctx.overlap_all_gather = overlap_all_gather
+        ctx.overlap_all_gather, ctx.peer_copy = overlap_all_gather, peer_copy
         if sequence_parallel and overlap_all_gather:
             # [s/tp, b, in] -> [s, b, out], each chunk's GEMM overlapping the next chunk's transfer
-            return all_gather_matmul(input, weight, bias, tp_group)
+            return all_gather_matmul(input, weight, bias, tp_group, peer_copy=peer_copy)
         total_input = all_gather_along_first_dim(input, tp_group) if sequence_parallel else input
         # [s, b, in] x [out, in] (+ [out]) -> [s, b, out]; the bias add is fused into the GEMM
         return F.linear(total_input, weight, bias)
@@ -271,7 +271,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 buffer.append(grad_output)
                 wgrad_compute = False
         transport = (peer_copy_transport(group, grad_output.device)
-                     if ctx.sequence_parallel and ctx.overlap_all_gather else None)
+                     if ctx.sequence_parallel and ctx.overlap_all_gather and ctx.peer_copy else None)
         if transport is not None:
             return _sequence_parallel_backward_peer_copy(ctx, transport, grad_output, input, weight, wgrad_compute)
         total_input = input
@@ -293,7 +293,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_input = scatter.wait()
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _weight_and_bias_grads(ctx, weight, grad_output, total_input):
@@ -318,11 +318,11 @@ def _sequence_parallel_backward_peer_copy(ctx, transport, grad_output, input, we
     scatter = None
     if ctx.needs_input_grad[0]:
         # [s, b, out] x [out, in] -> [s, b, in], reduce-scattered along s: [s/tp, b, in]
-        scatter = matmul_reduce_scatter_async(grad_output, weight.t(), ctx.tp_group)
+        scatter = matmul_reduce_scatter_async(grad_output, weight.t(), ctx.tp_group, peer_copy=True)
     total_input = gather.wait() if gather is not None else None
     grad_weight, grad_bias = _weight_and_bias_grads(ctx, weight, grad_output, total_input)
     grad_input = scatter.wait() if scatter is not None else None
-    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 class LinearWithReduceScatterOverlap(torch.autograd.Function):
@@ -332,10 +332,11 @@ class LinearWithReduceScatterOverlap(torch.autograd.Function):
     gradient (into `main_grad` when fused)."""
 
     @staticmethod
-    def forward(ctx, input, weight, gradient_accumulation_fusion, tp_group):
+    def forward(ctx, input, weight, gradient_accumulation_fusion, tp_group, peer_copy=False):
         ctx.save_for_backward(input, weight)
         ctx.gradient_accumulation_fusion, ctx.tp_group = gradient_accumulation_fusion, tp_group
-        return matmul_reduce_scatter(input, weight, tp_group)
+        ctx.peer_copy = peer_copy
+        return matmul_reduce_scatter(input, weight, tp_group, peer_copy=peer_copy)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -344,7 +345,7 @@ class LinearWithReduceScatterOverlap(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # [s/tp, b, out] -> (all-gathered: total_grad [s, b, out]) x [out, in] -> [s, b, in]
             grad_input, total_grad = all_gather_matmul(grad_output, weight.t(), None, ctx.tp_group,
-                                                       return_gathered=True)
+                                                       return_gathered=True, peer_copy=ctx.peer_copy)
         else:
             total_grad = all_gather_along_first_dim(grad_output, ctx.tp_group)  # [s/tp, b, out] -> [s, b, out]
         grad_weight = None
@@ -352,7 +353,7 @@ class LinearWithReduceScatterOverlap(torch.autograd.Function):
             # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
             grad_2d, input_2d = total_grad.reshape(-1, total_grad.shape[-1]), input.reshape(-1, input.shape[-1])
             grad_weight = _weight_grad(ctx, weight, grad_2d, input_2d)
-        return grad_input, grad_weight, None, None
+        return grad_input, grad_weight, None, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -367,11 +368,16 @@ def linear_with_grad_accumulation_and_async_allreduce(
     async_grad_allreduce: Optional[bool] = None,
     tp_group=None,
     tp_comm_overlap_ag: bool = False,
+    tp_comm_transport: str = "p2p",
+    trace_when_compiled: bool = False,
 ) -> torch.Tensor:
     """Linear layer with TP communication in its backward (see LinearWithGradAccumulationAndAsyncCommunication).
 
     `async_grad_allreduce` is the deprecated name of `allreduce_dgrad`; `tp_group=None` means the TP group;
-    `tp_comm_overlap_ag` pipelines the sequence-parallel input all-gather with the GEMM (`overlap.py`).
+    `tp_comm_overlap_ag` pipelines the sequence-parallel input all-gather with the GEMM (`overlap.py`), its
+    chunks moved by `tp_comm_transport` ('copy-engine' or 'p2p'). Inside a `torch.compile` trace the autograd
+    function is called eagerly (the layer's graph splits here) unless `trace_when_compiled` (the layers'
+    `--compile-linears` decision of the optimisation plan).
     """
     if async_grad_allreduce is not None:
         allreduce_dgrad = async_grad_allreduce
@@ -379,28 +385,13 @@ def linear_with_grad_accumulation_and_async_allreduce(
         raise ValueError("allreduce_dgrad and sequence_parallel cannot both be True: SP reduce-scatters the dgrad")
     tp_group = get_tensor_model_parallel_group_if_none(tp_group)
     apply = LinearWithGradAccumulationAndAsyncCommunication.apply
-    if torch.compiler.is_compiling() and not trace_linears_when_compiling():
+    if torch.compiler.is_compiling() and not trace_when_compiled:
         apply = _apply_linear_eagerly
     return apply(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
         grad_output_buffer, wgrad_deferral_limit or 0, tp_group, tp_comm_overlap_ag,
+        tp_comm_transport == "copy-engine",
     )
-
-
-def trace_linears_when_compiling() -> bool:
-    """Whether `torch.compile` (compiled transformer layers) traces the linears' autograd function into
-    the layer's graph: environment variable `MEGATRON_COMPILE_LINEARS=1`. Default: no, the compiled layer
-    calls them eagerly (its graph is split at each linear).
-
-    Traced, a linear returns its weight gradient to autograd (DDP's hook adds it into `main_grad`; see
-    `_accumulate_weight_grad`). That is exact against eager on CPU (fp32 and bf16, DDP, TP=2+SP). On an H200
-    (2026-11-30, docs/performance.md) it made host-bound models faster without CUDA graphs (GPT-1.3B 495-500
-    TFLOP/s against 459-491; a 12-layer hidden-1024 model 58-82 ms per iteration against 97-180), but GPT-1.3B
-    with CUDA graphs 1% slower (the extra pass adding bf16 weight gradients into `main_grad`), and over 200
-    iterations of real text its bf16 loss stayed above every other path's from iteration 30 on, in two jobs
-    (by 0.003-0.08; unexplained). Hence off by default.
-    """
-    return os.environ.get("MEGATRON_COMPILE_LINEARS", "0").strip() == "1"
 
 
 @torch.compiler.disable
@@ -408,16 +399,15 @@ def _apply_linear_eagerly(*args):
     return LinearWithGradAccumulationAndAsyncCommunication.apply(*args)
 
 
-
 def linear_with_frozen_weight(
     input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
     grad_output_buffer=None, wgrad_deferral_limit=None, async_grad_allreduce=None, tp_group=None,
-    tp_comm_overlap_ag=False,
+    tp_comm_overlap_ag=False, tp_comm_transport="p2p", trace_when_compiled=False,
 ):
     """Same as `linear_with_grad_accumulation_and_async_allreduce` for a weight with requires_grad=False."""
     return linear_with_grad_accumulation_and_async_allreduce(
         input, weight, bias, False, allreduce_dgrad, sequence_parallel, None, 0, async_grad_allreduce, tp_group,
-        tp_comm_overlap_ag,
+        tp_comm_overlap_ag, tp_comm_transport, trace_when_compiled,
     )
 
 
@@ -516,6 +506,17 @@ def _init_bias(layer, config, size, stride, tensor_parallel):
     return bias
 
 
+def _amax_max_over(group) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The FP8 amax reduction of an operand split over `group`: the maximum over its ranks, in place (the
+    communication `megatron.core.fp8` leaves to the layer that owns the group)."""
+
+    def reduce(amax_: torch.Tensor) -> torch.Tensor:
+        all_reduce_tensor(amax_, group, op=ReduceOp.MAX)
+        return amax_
+
+    return reduce
+
+
 class _ParallelLinearBase(torch.nn.Module):
     """Shared set-up of the column- and row-parallel linear layers."""
 
@@ -531,14 +532,29 @@ class _ParallelLinearBase(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self._forward_impl = linear_with_grad_accumulation_and_async_allreduce
-        self.fp8: Optional[Fp8LinearState] = None  # set by `enable_fp8` (the transformer layers' linears)
+        # How this layer runs: built plain; the optimisation plan (`megatron.core.optimization_plan`) turns
+        # these on through `enable_fp8` / `enable_tp_comm_overlap` and `trace_when_compiled`.
+        self.fp8: Optional[Fp8LinearState] = None
+        self.tp_comm_overlap_halves: Tuple[str, ...] = ()
+        self.tp_comm_transport = "p2p"
+        self.trace_when_compiled = False
 
     _FP8_SHARDED: tuple = ()
 
     def enable_fp8(self, recipe: Fp8Recipe) -> None:
         """Run this layer's GEMMs in FP8 under `recipe` from now on (the amax of the operands split over TP
         reduced over the TP group, so the scales are those of the unsplit layer)."""
-        self.fp8 = Fp8LinearState(recipe, self.tp_group, self._FP8_SHARDED)
+        reduce = _amax_max_over(self.tp_group) if self.tp_size > 1 else None
+        self.fp8 = Fp8LinearState(recipe, self._FP8_SHARDED, reduce)
+
+    def enable_tp_comm_overlap(self, all_gather: bool, reduce_scatter: bool, transport: str) -> None:
+        """`--tp-comm-overlap`: pipeline this layer's sequence-parallel all-gather and/or reduce-scatter with its
+        GEMM, the chunks moved by `transport` ('copy-engine' or 'p2p'); a layer without sequence parallelism
+        (or an expert layer with its own communication) has nothing to pipeline and runs as before."""
+        if transport not in ("copy-engine", "p2p"):
+            raise ValueError(f"tp_comm_overlap_transport {transport!r}: expected 'copy-engine' or 'p2p'")
+        self.tp_comm_overlap_halves = tuple(half for half, on in (("ag", all_gather), ("rs", reduce_scatter)) if on)
+        self.tp_comm_transport = transport
 
     def _linear(self, input_parallel, weight, bias, allreduce_dgrad, sequence_parallel, grad_output_buffer=None):
         if self.fp8 is not None and grad_output_buffer is None:
@@ -554,7 +570,9 @@ class _ParallelLinearBase(torch.nn.Module):
             grad_output_buffer=grad_output_buffer,
             wgrad_deferral_limit=self.config.wgrad_deferral_limit,
             tp_group=self.tp_group,
-            **({"tp_comm_overlap_ag": True} if sequence_parallel and self._overlap("ag") else {}),
+            tp_comm_overlap_ag=bool(sequence_parallel and self._overlap("ag")),
+            tp_comm_transport=self.tp_comm_transport,
+            trace_when_compiled=self.trace_when_compiled,
         )
 
     @torch.compiler.disable
@@ -571,10 +589,8 @@ class _ParallelLinearBase(torch.nn.Module):
 
     def _overlap(self, half: str) -> bool:
         """Whether `--tp-comm-overlap` pipelines this layer's sequence-parallel all-gather ('ag') or
-        reduce-scatter ('rs') with its GEMM."""
-        config = self.config
-        return bool(self.sequence_parallel and not self.explicit_expert_comm and config.tp_comm_overlap
-                    and getattr(config, f"tp_comm_overlap_{half}", True))
+        reduce-scatter ('rs') with its GEMM (`enable_tp_comm_overlap`)."""
+        return bool(self.sequence_parallel and not self.explicit_expert_comm and half in self.tp_comm_overlap_halves)
 
     _TP_AXIS_MAP: dict = {}
 
@@ -721,7 +737,8 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
         if self._overlap("rs") and self.weight.requires_grad:
             output_ = LinearWithReduceScatterOverlap.apply(input_parallel, self.weight,
-                                                           self.gradient_accumulation_fusion, self.tp_group)
+                                                           self.gradient_accumulation_fusion, self.tp_group,
+                                                           self.tp_comm_transport == "copy-engine")
             return self._add_bias(output_)
         output_parallel = self._linear(input_parallel, self.weight, None, allreduce_dgrad=False,
                                        sequence_parallel=False)

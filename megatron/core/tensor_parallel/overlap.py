@@ -18,11 +18,12 @@ gathered gradient for the weight gradient. Used when `config.tp_comm_overlap` is
 parallelism (`tp_comm_overlap_ag` / `tp_comm_overlap_rs` pick the column-parallel forward and backward /
 the row-parallel forward and backward).
 
-Transport. Where `mappings.peer_copy_transport` gives one (CUDA tensors on an NCCL group; the TP ranks of a
-host) the chunks move by copy-engine peer copies out of symmetric memory, which take no SMs from the GEMMs
-beside them: all-gather + GEMM publishes this rank's chunk and runs its GEMM while the peers' chunks are
-copied here; GEMM + reduce-scatter computes the partial products for the other ranks first, publishes them
-and runs its own chunk's GEMM while the peers' partial sums for it are copied here
+Transport. With `peer_copy=True` (the plan's `--tp-comm-overlap-transport copy-engine`) and where
+`peer_copy.peer_copy_transport` gives one (CUDA tensors on an NCCL group; the TP ranks of a host) the chunks
+move by copy-engine peer copies out of symmetric memory, which take no SMs from the GEMMs beside them:
+all-gather + GEMM publishes this rank's chunk and runs its GEMM while the peers' chunks are copied here;
+GEMM + reduce-scatter computes the partial products for the other ranks first, publishes them and runs its
+own chunk's GEMM while the peers' partial sums for it are copied here
 (`matmul_reduce_scatter_async` lets a weight-gradient GEMM overlap them too). Elsewhere the chunks travel
 the point-to-point ring of `mappings.ring_exchange_async`. This module only schedules GEMMs around the
 transfers.
@@ -31,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from megatron.core.tensor_parallel.mappings import (
-    PendingCollective, _rank, _world_size, peer_copy_transport, ring_exchange_async)
+from megatron.core.tensor_parallel.mappings import PendingCollective, _rank, _world_size, ring_exchange_async
+from megatron.core.tensor_parallel.peer_copy import peer_copy_transport
 
 
 def _matmul_into(out_rows: torch.Tensor, chunk: torch.Tensor, weight: torch.Tensor,
@@ -47,12 +48,13 @@ def _matmul_into(out_rows: torch.Tensor, chunk: torch.Tensor, weight: torch.Tens
 
 
 def all_gather_matmul(input_: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                      return_gathered: bool = False):
+                      return_gathered: bool = False, peer_copy: bool = False):
     """[s/tp, b, i] (this rank's sequence chunk) -> [s, b, o]: the all-gathered input times weight^T (+ bias).
 
     With `return_gathered` the chunks are received straight into one [s, b, i] buffer, returned second (for
-    a weight gradient that needs the all-gathered input)."""
-    transport = peer_copy_transport(group, input_.device)
+    a weight gradient that needs the all-gathered input). `peer_copy`: move the chunks by copy engine where
+    the group allows it (see the module docstring), else over the point-to-point ring."""
+    transport = peer_copy_transport(group, input_.device) if peer_copy else None
     if transport is not None:
         return _all_gather_matmul_peer_copy(input_.contiguous(), weight, bias, transport, return_gathered)
     world_size, rank = _world_size(group), _rank(group)
@@ -79,9 +81,11 @@ def all_gather_matmul(input_: torch.Tensor, weight: torch.Tensor, bias: Optional
     return (output, gathered_out) if return_gathered else output
 
 
-def matmul_reduce_scatter(input_: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
-    """[s, b, i/tp] -> [s/tp, b, o]: input times weight^T, summed over the TP ranks, this rank's sequence chunk."""
-    return matmul_reduce_scatter_async(input_, weight, group).wait()
+def matmul_reduce_scatter(input_: torch.Tensor, weight: torch.Tensor, group,
+                          peer_copy: bool = False) -> torch.Tensor:
+    """[s, b, i/tp] -> [s/tp, b, o]: input times weight^T, summed over the TP ranks, this rank's sequence chunk
+    (`peer_copy` as in `all_gather_matmul`)."""
+    return matmul_reduce_scatter_async(input_, weight, group, peer_copy).wait()
 
 
 def _matmul_reduce_scatter_ring(input_, weight, group, chunk):
@@ -128,7 +132,8 @@ def _all_gather_matmul_peer_copy(input_, weight, bias, transport, return_gathere
     return (output, gathered) if return_gathered else output
 
 
-def matmul_reduce_scatter_async(input_: torch.Tensor, weight: torch.Tensor, group) -> PendingCollective:
+def matmul_reduce_scatter_async(input_: torch.Tensor, weight: torch.Tensor, group,
+                                peer_copy: bool = False) -> PendingCollective:
     """Start `matmul_reduce_scatter`; `.wait()` gives this rank's summed chunk [s/tp, b, o].
 
     Through a `PeerCopyTransport` the partial products for the other ranks' chunks are computed first,
@@ -141,7 +146,7 @@ def matmul_reduce_scatter_async(input_: torch.Tensor, weight: torch.Tensor, grou
         raise ValueError(f"GEMM + reduce-scatter: sequence length {input_.shape[0]} is not divisible by the TP "
                          f"size {world_size}")
     chunk = input_.shape[0] // world_size
-    transport = peer_copy_transport(group, input_.device)
+    transport = peer_copy_transport(group, input_.device) if peer_copy else None
     if transport is None:
         result = _matmul_reduce_scatter_ring(input_, weight, group, chunk)
         return PendingCollective(None, lambda: result)

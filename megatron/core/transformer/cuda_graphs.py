@@ -17,11 +17,11 @@ and sets `grad_added_to_main_grad`, exactly what the eager linear does, so DDP's
 in the same order and skip the add. Other parameter gradients (biases, norm weights) are returned from the
 graph's static buffers.
 
-Scope (checked by the argument validation, and again here): training forwards with gradients of layers
-on CUDA, one micro-batch in flight (no pipeline parallelism), no dropout (the graphs do not advance the
-tensor-parallel RNG tracker's generators), no activation recompute, no parameter-gather pre-hooks. Calls
-outside this scope (evaluation, no-grad, another input shape) run the layer eagerly. On CPU the flag
-does nothing beyond one info line.
+Scope (checked when the optimisation plan is resolved, and by the argument validation): training forwards
+with gradients of layers on CUDA, one micro-batch in flight (no pipeline parallelism), no dropout (the
+graphs do not advance the tensor-parallel RNG tracker's generators), no activation recompute, no
+parameter-gather pre-hooks. Calls outside this scope (evaluation, no-grad, another input shape) run the
+layer eagerly. Off the GPU the plan leaves the layers ungraphed and says so in its table.
 """
 import contextlib
 import logging
@@ -281,36 +281,14 @@ class GraphedLayer:
         return tuple(input_grads) + tuple(param_grads)
 
 
-def cuda_graph_problems(config) -> List[str]:
-    """Settings that per-layer CUDA graphs do not support (empty when the config can be graphed)."""
-    problems = []
-    if getattr(config, "pipeline_model_parallel_size", 1) > 1:
-        problems.append("pipeline parallelism (several micro-batches in flight)")
-    if getattr(config, "hidden_dropout", 0.0) or getattr(config, "attention_dropout", 0.0):
-        problems.append(f"dropout (hidden {config.hidden_dropout}, attention {config.attention_dropout})")
-    if getattr(config, "recompute_granularity", None) is not None:
-        problems.append(f"activation recompute ({config.recompute_granularity})")
-    if getattr(config, "num_moe_experts", None):
-        problems.append("mixture-of-experts layers")
-    return problems
-
-
-def enable_layer_cuda_graphs(layers, config) -> bool:
-    """Wrap every layer of `layers` in a `GraphedLayer` when the config asks for it and the layers live on
-    CUDA; returns whether it did."""
-    if not getattr(config, "enable_cuda_graph", False) or len(layers) == 0:
-        return False
-    params = [p for layer in layers for p in layer.parameters()]
-    if not params or not params[0].is_cuda:
-        logger.info("--enable-cuda-graph: the layers are not on a CUDA device; running them without graphs.")
-        return False
-    problems = cuda_graph_problems(config)
-    if problems:
-        raise ValueError("--enable-cuda-graph does not support " + "; ".join(problems) + ".")
-    graph_pool = _GraphPool(config.cuda_graph_warmup_steps)
+def enable_layer_cuda_graphs(layers, warmup_steps: int) -> _GraphPool:
+    """Wrap every layer of `layers` (CUDA modules of one block) in a `GraphedLayer` sharing one graph pool,
+    capturing after `warmup_steps` eager training forwards. The optimisation plan decides whether to
+    (`--enable-cuda-graph`; it checks the settings graphs cannot take, see `optimization_plan.resolve`)."""
+    graph_pool = _GraphPool(warmup_steps)
     for layer in layers:
         layer.forward = GraphedLayer(layer, graph_pool)
-    return True
+    return graph_pool
 
 
-__all__ = ["GraphedLayer", "enable_layer_cuda_graphs", "cuda_graph_problems"]
+__all__ = ["GraphedLayer", "enable_layer_cuda_graphs"]

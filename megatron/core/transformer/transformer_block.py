@@ -3,8 +3,9 @@
 Layer placement (`get_num_layers_to_build`, `get_transformer_layer_offset`) supports even splits,
 virtual pipeline stages, uneven first/last stages, embedding/loss accounting and explicit layouts.
 Full activation recompute wraps whole layers ('uniform': chunks of `recompute_num_layers` layers;
-'block': the first `recompute_num_layers` layers of the stage). On CUDA the layers are compiled with
-`torch.compile` (a wrapper, see `layer_compile.py`; switch: MEGATRON_COMPILE_LAYERS).
+'block': the first `recompute_num_layers` layers of the stage). The block is built plain: FP8 GEMMs,
+compiled layers and CUDA graphs are applied afterwards by the optimisation plan
+(`megatron.core.optimization_plan`), which `megatron.training.get_model` runs on every model chunk.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -14,10 +15,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-from megatron.core.fp8.recipe import Fp8Recipe
-from megatron.core.tensor_parallel.layers import _ParallelLinearBase
-from megatron.core.transformer.cuda_graphs import enable_layer_cuda_graphs
-from megatron.core.transformer.layer_compile import compile_forward, layer_compile_requested
+from megatron.core.optimization_plan.resolve import settings_applied_by_plan
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.recompute import checkpointed_call
 from megatron.core.transformer.sharded import sharded_state_dict_default
@@ -66,21 +64,15 @@ def _get_block_submodules(config, spec, vp_stage=None) -> TransformerBlockSubmod
     raise ValueError(f"TransformerBlock spec must be a layer spec, a block spec or TransformerBlockSubmodules, got {spec!r}")
 
 
-def enable_fp8(layers: torch.nn.Module, config: TransformerConfig) -> None:
-    """With `config.fp8`, switch every tensor-parallel linear inside `layers` to FP8 GEMMs (like Transformer
-    Engine's fp8_autocast around the transformer block: the embedding and the output layer stay in bf16)."""
-    recipe = Fp8Recipe.from_config(config)
-    if recipe is None:
-        return
-    from megatron.core.extensions.transformer_engine import _TransformerEngineModule
+def _plan_not_applied(settings):
+    def guard(module, args):
+        raise RuntimeError(
+            f"TransformerBlock: the config asks for {', '.join(settings)}, which the optimisation plan carries "
+            "out, but no plan was applied to this model. After building the model chunks call "
+            "apply_optimization_plan(chunks, resolve_plan(config, device_facts_of(chunks))) from "
+            "megatron.core.optimization_plan (megatron.training.get_model does).")
 
-    te_modules = sorted({type(m).__name__ for m in layers.modules() if isinstance(m, _TransformerEngineModule)})
-    if te_modules:
-        raise ValueError(f"fp8={config.fp8!r} with Transformer Engine's modules ({', '.join(te_modules)}): their FP8 "
-                         "(fp8_autocast) is not wired here; use --transformer-impl local for the native FP8 GEMMs.")
-    for module in layers.modules():
-        if isinstance(module, _ParallelLinearBase):
-            module.enable_fp8(recipe)
+    return guard
 
 
 class TransformerBlock(MegatronModule):
@@ -117,11 +109,19 @@ class TransformerBlock(MegatronModule):
         else:
             self.final_layernorm = None
         self.num_layers_per_pipeline_rank = len(self.layers)
-        enable_fp8(self.layers, config)
-        if config.recompute_granularity != "selective" and layer_compile_requested(self):
-            for layer in self.layers:
-                compile_forward(layer)
-        enable_layer_cuda_graphs(self.layers, config)
+        # The plan applied to this block (`mark_plan_applied`). Until then a config asking for something only
+        # the plan carries out (FP8, CUDA graphs, ...) makes the first forward raise instead of silently
+        # running the plain block.
+        self.optimization_plan = None
+        pending = settings_applied_by_plan(config)
+        self._plan_guard = self.register_forward_pre_hook(_plan_not_applied(pending)) if pending else None
+
+    def mark_plan_applied(self, plan) -> None:
+        """Record that `optimization_plan.apply` carried out `plan` on this block (lifts the guard)."""
+        self.optimization_plan = plan
+        if self._plan_guard is not None:
+            self._plan_guard.remove()
+            self._plan_guard = None
 
     def _layer_config(self, index: int) -> TransformerConfig:
         """The config of this stage's layer `index`: its own with heterogeneous block specs (each layer may

@@ -11,7 +11,6 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fp8.recipe import fp8_config_problems
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -353,6 +352,21 @@ class TransformerConfig(ModelParallelConfig):
     cuda_graph_scope: str = "full"
     """What a CUDA graph covers: 'full' or 'attn'."""
 
+    # The next three are this framework's flags (no Megatron-LM counterpart). Like FP8 and CUDA graphs they are
+    # decisions of the optimisation plan (`megatron.core.optimization_plan`): resolved once, printed at
+    # start-up, applied to the built model; modules never read them.
+    compile_layers: str = "auto"
+    """`--compile-layers`: `torch.compile` each transformer layer: 'on', 'off' or 'auto' (on for layers on a
+    CUDA device with hidden size >= 2048, without tensor + sequence parallelism or selective recompute)."""
+
+    compile_linears: str = "auto"
+    """`--compile-linears`: inside compiled layers, trace the tensor-parallel linears into the layer's graph
+    ('on') or call them eagerly ('off'); 'auto' is off (the measurements are in the plan's notes)."""
+
+    fusion_kernels: str = "auto"
+    """`--fusion-kernels`: the fused elementwise functions on CUDA tensors run `torch.compile`d and as Triton
+    kernels ('compiled') or as their plain PyTorch reference ('eager'); 'auto' is compiled on CUDA."""
+
     clone_scatter_output_in_embedding: bool = True
     """Clone the embedding output after the sequence-parallel scatter (frees the full tensor)."""
 
@@ -416,7 +430,6 @@ class TransformerConfig(ModelParallelConfig):
             + self._fusion_problems()
             + self._pipeline_split_problems()
             + self._moe_problems()
-            + fp8_config_problems(self)
         )
         if problems:
             raise ValueError("invalid TransformerConfig:\n  " + "\n  ".join(problems))

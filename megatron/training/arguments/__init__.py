@@ -3,7 +3,7 @@
 - `parser.py` builds `argparse.ArgumentParser(description='Megatron-LM Arguments', allow_abbrev=False)`
   from one module per Megatron argument group (`network.py`, `training_loop.py`, ...);
 - `manifest.json` records for every Megatron-LM 0.13.1 flag whether it is supported, accepted without
-  effect, or rejected;
+  effect, or rejected, and marks the few flags this framework adds (`plan_flags.py`, the optimisation plan);
 - `validate.py` collects every problem and raises one `ArgumentsError`; `derive.py` computes derived values;
 - `to_configs.py` is the one place arguments become `TransformerConfig` / `OptimizerConfig` /
   `DistributedDataParallelConfig` (imported lazily: it pulls in the model packages).

@@ -18,7 +18,9 @@ keep working. Each flag has one status (source: `megatron/training/arguments/man
 - **accepted**: parsed, but has no effect here (the note says why, e.g. a Transformer Engine or Apex kernel
   toggle whose native replacement is always used);
 - **rejected**: giving it a non-default value fails validation with
-  "`--foo` is a Megatron-LM flag this framework does not implement yet", plus what to use instead.
+  "`--foo` is a Megatron-LM flag this framework does not implement yet", plus what to use instead;
+- **added**: not a Megatron-LM flag; this framework's own (group "optimization plan": decisions of the
+  optimisation plan that Megatron makes without a flag or not at all, see docs/design.md).
 
 A bad command line fails once, listing every problem (unknown flags with a "did you mean", rejected flags,
 rule violations). Prefixes of flags are not accepted (`allow_abbrev=False`).
@@ -41,7 +43,7 @@ def render_flags_markdown() -> str:
     manifest = load_manifest()
     counts = Counter(entry["status"] for entry in manifest.values())
     lines = [_INTRO, f"Totals: {counts['supported']} supported, {counts['accepted']} accepted, "
-             f"{counts['rejected']} rejected.", ""]
+             f"{counts['rejected']} rejected; {counts['added']} added.", ""]
     parser = build_parser()
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.option_strings[0] in manifest]

@@ -3,10 +3,12 @@
 `manifest.json` maps each flag's first option string to
 - `{"status": "supported"}`: the flag works as in Megatron-LM;
 - `{"status": "accepted", "reason": ...}`: parsed, but it has no effect here (the reason says why);
-- `{"status": "rejected", "reason": ..., "instead": ...}`: giving it a non-default value is a validation error.
+- `{"status": "rejected", "reason": ..., "instead": ...}`: giving it a non-default value is a validation error;
+- `{"status": "added", "reason": ...}`: a flag of this framework that Megatron-LM does not have (the reason
+  says what it decides).
 Entries may also carry `aliases` (extra option strings of the same flag) and `rejected_values` (values of a
-supported flag that are errors, with the message). The test suite checks that the parser, this manifest
-and Megatron's flag list hold exactly the same option strings.
+supported flag that are errors, with the message). The test suite checks that the parser and this manifest
+hold the same option strings, and that these are exactly Megatron's flag list plus the `added` ones.
 """
 import json
 from functools import lru_cache
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Dict, List
 
 MANIFEST_PATH = Path(__file__).with_name("manifest.json")
-STATUSES = ("supported", "accepted", "rejected")
+STATUSES = ("supported", "accepted", "rejected", "added")
 NOT_IMPLEMENTED = "is a Megatron-LM flag this framework does not implement yet"
 
 
@@ -26,7 +28,7 @@ def load_manifest() -> Dict[str, dict]:
 
 
 def flag_status(option_string: str) -> str:
-    """`supported`, `accepted` or `rejected` for a flag given by any of its option strings."""
+    """`supported`, `accepted`, `rejected` or `added` for a flag given by any of its option strings."""
     return _entry(option_string)["status"]
 
 
@@ -37,7 +39,7 @@ def _entry(option_string: str) -> dict:
     for entry in manifest.values():
         if option_string in entry.get("aliases", ()):
             return entry
-    raise KeyError(f"{option_string} is not a Megatron-LM 0.13.1 flag")
+    raise KeyError(f"{option_string} is neither a Megatron-LM 0.13.1 flag nor one this framework adds")
 
 
 def flag_help(option_string: str, help_text=None) -> str:
@@ -48,6 +50,8 @@ def flag_help(option_string: str, help_text=None) -> str:
         parts.append(f"[accepted, no effect here: {entry['reason']}]")
     elif entry["status"] == "rejected":
         parts.append(f"[not implemented: {entry['reason']}]")
+    elif entry["status"] == "added":
+        parts.append("[not a Megatron-LM flag]")
     return " ".join(parts)
 
 

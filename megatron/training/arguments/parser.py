@@ -44,13 +44,14 @@ from megatron.training.arguments.other_models import (
     _add_sft_args,
     _add_vision_args,
 )
+from megatron.training.arguments.plan_flags import _add_optimization_plan_args
 from megatron.training.arguments.training_loop import (
     _add_initialization_args,
     _add_training_args,
     _add_validation_args,
 )
 
-# Megatron-LM's group order (it decides the order of `--help`).
+# Megatron-LM's group order (it decides the order of `--help`), then this framework's own group.
 _GROUP_ADDERS = (
     _add_network_size_args, _add_regularization_args, _add_training_args, _add_initialization_args,
     _add_learning_rate_args, _add_checkpointing_args, _add_mixed_precision_args, _add_distributed_args,
@@ -59,7 +60,7 @@ _GROUP_ADDERS = (
     _add_straggler_detector_args, _add_workload_inspector_server_args, _add_inference_args,
     _add_transformer_engine_args, _add_retro_args, _add_experimental_args, _add_one_logger_args,
     _add_inprocess_restart_args, _add_ft_package_args, _add_config_logger_args, _add_rerun_machine_args,
-    _add_msc_args, _add_kitchen_quantization_arguments, _add_sft_args,
+    _add_msc_args, _add_kitchen_quantization_arguments, _add_sft_args, _add_optimization_plan_args,
 )
 
 UNKNOWN_ARGS_ATTR = "_unknown_args"
@@ -77,7 +78,8 @@ class MegatronArgumentParser(argparse.ArgumentParser):
 
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every Megatron-LM 0.13.1 argument group to `parser`, in Megatron's order."""
+    """Add every Megatron-LM 0.13.1 argument group to `parser`, in Megatron's order, then the flags this
+    framework adds (`plan_flags.py`)."""
     for add_group_args in _GROUP_ADDERS:
         parser = add_group_args(parser)
     return parser

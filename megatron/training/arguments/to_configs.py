@@ -11,11 +11,11 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.activations import openai_gelu, squared_relu
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.arguments._activations import openai_gelu, squared_relu
 
 # TransformerConfig fields set from differently named arguments (Megatron's rename table).
 TRANSFORMER_RENAMES = {

@@ -8,6 +8,10 @@ command line (unknown flags, rejected flags, rule violations) is collected and r
 Design note (native kernels): Megatron-LM demands `--no-rope-fusion`, `--no-persist-layer-norm` or
 `--no-gradient-accumulation-fusion` in some setups because its fused kernels need Transformer Engine or
 Apex. The native path here implements or ignores those fusions, so these flags are never demanded.
+
+Design note (the optimisation plan): the FP8 rules, like every decision of how the built model runs, are
+checked once, where the plan is resolved (`megatron.core.optimization_plan.resolve`, from `get_model`); a
+violation there ends the run the way a bad command line does.
 """
 import os
 from typing import Callable, List, Optional
@@ -15,7 +19,6 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-from megatron.core.utils import module_available
 from megatron.training.arguments.derive import derive, derived_ffn_hidden_size
 from megatron.training.arguments.errors import ArgumentsError
 from megatron.training.arguments.heterogeneous import heterogeneous_config_problems
@@ -434,26 +437,6 @@ def _validate_precision(args) -> List[str]:
         problems.append("--fp32-residual-connection needs --fp16 or --bf16 (the residual is already fp32 otherwise).")
     if args.loss_scale is not None and args.loss_scale <= 0:
         problems.append(f"--loss-scale ({args.loss_scale}) must be positive; omit it for dynamic loss scaling.")
-    return problems + _fp8_problems(args)
-
-
-def _fp8_problems(args) -> List[str]:
-    if args.fp8 is None:
-        return []
-    problems = []
-    if not (args.bf16 or args.fp16):
-        problems.append(f"--fp8-format {args.fp8} needs --bf16 or --fp16 (the precision of everything outside the "
-                        "FP8 GEMMs): add --bf16.")
-    if args.tp_comm_overlap:
-        problems.append(f"--fp8-format {args.fp8} with --tp-comm-overlap: the FP8 GEMMs do not pipeline TP "
-                        "communication; drop --tp-comm-overlap (or --fp8-format).")
-    if args.transformer_impl == "transformer_engine" and args.spec is None and module_available("transformer_engine"):
-        problems.append(f"--fp8-format {args.fp8} with --transformer-impl transformer_engine (installed): Transformer "
-                        "Engine's own FP8 is not wired here; add --transformer-impl local for the native FP8 GEMMs.")
-    if args.fp8_amax_history_len < 1:
-        problems.append(f"--fp8-amax-history-len ({args.fp8_amax_history_len}) must be at least 1.")
-    if args.fp8_margin < 0:
-        problems.append(f"--fp8-margin ({args.fp8_margin}) must be >= 0.")
     return problems
 
 

@@ -8,7 +8,7 @@ from megatron.core.fp8 import kernels
 from megatron.core.fp8.kernels import E4M3, E5M2
 from megatron.core.fp8.linear import fp8_linear
 from megatron.core.fp8.recipe import Fp8LinearState, Fp8Recipe, TensorScaling, fp8_config_problems
-from tests.unit.transformer.model_setup import init_single_rank, seed_all
+from tests.unit.transformer.model_setup import apply_plan, init_single_rank, seed_all
 
 
 def _dequantized(tensor, dtype):
@@ -190,7 +190,8 @@ def _gpt(fp8=None, recipe="tensorwise"):
     seed_all(7)
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, fp8=fp8, fp8_recipe=recipe, use_cpu_initialization=True)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32)
+    return apply_plan(model)[0]
 
 
 def _loss_and_grads(model):
@@ -218,18 +219,32 @@ def test_gpt_with_fp8_linears_tracks_the_exact_model(recipe):
     assert (grads - ref_grads).norm() / ref_grads.norm() < 0.1
 
 
-def test_config_and_command_line_problems():
+def test_config_problems_are_checked_once_by_the_plan():
+    from megatron.core.optimization_plan.resolve import DeviceFacts, PlanError, resolve_plan
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    with pytest.raises(ValueError) as error:
-        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="hybrid", fp8_recipe="mxfp8",
-                          fp8_param=True, fp8_amax_history_len=0)
+    bad = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="hybrid", fp8_recipe="mxfp8",
+                            fp8_param=True, fp8_amax_history_len=0)  # the config itself does not judge FP8
+    with pytest.raises(PlanError) as error:
+        resolve_plan(bad, DeviceFacts())
     text = str(error.value)
-    assert "fp8_recipe='mxfp8'" in text and "fp8_param" in text and "fp8_amax_history_len (0)" in text
-    with pytest.raises(ValueError, match="fp8_dot_product_attention: FP8 attention is not implemented"):
-        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="e4m3",
-                          fp8_dot_product_attention=True)
+    assert "--fp8-recipe (fp8_recipe='mxfp8')" in text and "--fp8-param-gather (fp8_param)" in text
+    assert "fp8_amax_history_len (0)" in text
+    attention = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="e4m3",
+                                  fp8_dot_product_attention=True)
+    with pytest.raises(PlanError, match="fp8_dot_product_attention: FP8 attention is not implemented"):
+        resolve_plan(attention, DeviceFacts())
+    with pytest.raises(PlanError, match=r"Transformer Engine's modules \(TELinear\).*--transformer-impl local"):
+        resolve_plan(attention, DeviceFacts(transformer_engine_modules=("TELinear",)))
     assert fp8_config_problems(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)) == []
+    plan = resolve_plan(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="hybrid",
+                                          fp8_amax_history_len=16, fp8_amax_compute_algo="max"),
+                        DeviceFacts("cuda", True, (9, 0), True, "nccl"))
+    assert plan.fp8_recipe == Fp8Recipe("hybrid", "delayed", 0, 16, "max", True)
+    assert "torch._scaled_mm on compute capability 9.0" in plan.fp8.why
+    e4m3 = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="e4m3")
+    assert "fp32 emulation" in resolve_plan(e4m3, DeviceFacts("cuda", True, (8, 0))).fp8.why  # no FP8 tensor cores
+    assert resolve_plan(e4m3, DeviceFacts()).fp8.value["fp8_format"] == "e4m3"
 
 
 def test_command_line_fp8_flags(monkeypatch):
@@ -247,7 +262,7 @@ def test_command_line_fp8_flags(monkeypatch):
     with pytest.raises(ArgumentsError) as error:
         validate_args(parse_args())
     text = str(error.value)
-    assert "--fp8-recipe blockwise" in text and "--fp8-param-gather" in text and "needs --bf16 or --fp16" in text
+    assert "--fp8-recipe blockwise" in text and "--fp8-param-gather" in text
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + base + ["--bf16", "--fp8-format", "e4m3",
                                                                    "--fp8-amax-history-len", "4", "--no-fp8-wgrad"])
     config = core_transformer_config_from_args(validate_args(parse_args()))

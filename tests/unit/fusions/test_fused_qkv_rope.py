@@ -17,7 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.harness import load_interpreted
-from tests.unit.transformer.model_setup import init_single_rank, seed_all
+from tests.unit.transformer.model_setup import apply_plan, init_single_rank, seed_all
 
 # (seq, batch, groups, heads per group, head dim, rotated channels)
 SHAPES = [(5, 3, 2, 2, 16, 16), (7, 2, 3, 1, 32, 16), (4, 2, 1, 3, 8, 6), (9, 1, 2, 4, 64, 64), (11, 3, 2, 1, 16, 16)]
@@ -93,12 +93,12 @@ def test_kernels_interpreted_against_the_formula(interpreted, shape, dtype):
     _check_kernels(interpreted, shape, dtype, "cpu")
 
 
-def _rope_model():
+def _rope_model(**plan_flags):
     seed_all(5)
     config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=8, num_query_groups=2,
                                hidden_dropout=0.0, attention_dropout=0.0, gated_linear_unit=True,
                                activation_func=F.silu, bias_activation_fusion=True, add_bias_linear=False,
-                               use_cpu_initialization=True)
+                               use_cpu_initialization=True, **plan_flags)
     return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32,
                     position_embedding_type="rope")
 
@@ -140,19 +140,18 @@ def test_custom_ops_on_cuda_against_the_formula(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", ["0", "1"], ids=["eager-layers", "compiled-layers"])
-def test_gqa_rope_model_on_cuda_matches_the_plain_path(monkeypatch, compiled):
-    """fp32 model, fused path (custom ops; inside compiled layers too) against MEGATRON_EAGER_FUSIONS=1."""
+@pytest.mark.parametrize("compiled", ["off", "on"], ids=["eager-layers", "compiled-layers"])
+def test_gqa_rope_model_on_cuda_matches_the_plain_path(compiled):
+    """fp32 model, fused path (custom ops; inside compiled layers too) against `--fusion-kernels eager`."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("triton")
     init_single_rank()
     results = []
-    for eager in ("1", "0"):
-        monkeypatch.setenv("MEGATRON_EAGER_FUSIONS", eager)
-        monkeypatch.setenv("MEGATRON_COMPILE_LAYERS", compiled if eager == "0" else "0")
+    for kernels in ("eager", "compiled"):
         torch._dynamo.reset()
-        model = _rope_model().cuda()
+        model = _rope_model(fusion_kernels=kernels, compile_layers=compiled if kernels == "compiled" else "off")
+        apply_plan(model.cuda())
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 256, (2, 32), generator=generator).cuda()
         position_ids = torch.arange(32, device="cuda").expand(2, 32)

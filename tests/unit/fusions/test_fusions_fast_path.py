@@ -5,6 +5,7 @@ F.cross_entropy, fp32 exact and bf16 close, chunking, targets owned by other TP 
 bias-dropout-add shortcut at p=0, RoPE through its fused entry point, the CPU fallback of
 `CudaCompiled`, and the SDPA backend context being a no-op on CPU.
 """
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +16,8 @@ from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 from megatron.core.transformer import rope_utils
 from megatron.core.transformer.dot_product_attention import sdpa_backend_priority
 from tests.unit.transformer.model_setup import init_single_rank, teardown_single_rank
+
+_REAL_COMPILE = torch.compile
 
 
 class _OneRank:
@@ -200,14 +203,26 @@ def test_cuda_compiled_specialises_per_signature_then_runs_eagerly(monkeypatch):
     assert len(codes) == len(made) and id(add.__code__) not in codes
     assert all(fn(x, 1.0).equal(add(x, 1.0)) for fn, _ in made)
 
-    # MEGATRON_EAGER_FUSIONS is read at every call: the CUDA branch (CPU tensors posing as CUDA ones) runs
-    # eagerly while it is set and compiles once it is not
+    # The plan's `--fusion-kernels` mode is read at every call: the CUDA branch (CPU tensors posing as CUDA
+    # ones) runs eagerly while it is 'eager' and compiles once it is 'compiled'
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     switched = _compile.CudaCompiled(add)
-    monkeypatch.setenv("MEGATRON_EAGER_FUSIONS", "1")
-    assert switched(x, 1.0).equal(add(x, 1.0)) and not switched._specialised and not switched._failed
-    monkeypatch.setenv("MEGATRON_EAGER_FUSIONS", "0")
+    _compile.set_fusion_kernels("eager")
+    assert switched(x, 1.0).equal(add(x, 1.0)) and not switched._specialised
+    _compile.set_fusion_kernels("compiled")
     assert switched(x, 1.0).equal(add(x, 1.0)) and len(switched._specialised) == 1
-    monkeypatch.setenv("MEGATRON_EAGER_FUSIONS", "1")
+    _compile.set_fusion_kernels("eager")
     made.clear()
     assert switched(x, 1.0).equal(add(x, 1.0)) and not made
+    _compile.reset_fusion_kernels()
+    with pytest.raises(ValueError, match="--fusion-kernels"):
+        _compile.set_fusion_kernels("fast")
+
+    # a compiler failure is an error naming the flag, not a silent switch to the eager function
+    def broken_backend(graph_module, example_inputs):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(_compile.torch, "compile",
+                        lambda fn, dynamic: _REAL_COMPILE(fn, dynamic=dynamic, backend=broken_backend))
+    with pytest.raises(RuntimeError, match="torch.compile of the fused add failed.*--fusion-kernels eager"):
+        _compile.CudaCompiled(add)(x, 1.0)

@@ -15,7 +15,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import rope_utils
 from megatron.core.transformer.dot_product_attention import sdpa_backend_priority
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit.transformer.model_setup import init_single_rank, seed_all
+from tests.unit.transformer.model_setup import apply_plan, init_single_rank, seed_all
 
 
 @pytest.mark.gpu
@@ -92,17 +92,18 @@ def test_triton_swiglu_backward_against_the_formula(shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("glu", [False, True], ids=["gelu", "swiglu"])
-def test_cuda_compiled_layers_match_eager_model(monkeypatch, glu):
+def test_cuda_compiled_layers_match_eager_model(glu):
     init_single_rank()
     results = []
-    for mode in ("0", "1"):
-        monkeypatch.setenv("MEGATRON_COMPILE_LAYERS", mode)
+    for mode in ("off", "on"):
         seed_all(7)
         activation = dict(gated_linear_unit=True, activation_func=F.silu) if glu else {}
         config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, hidden_dropout=0.0,
-                                   attention_dropout=0.0, bias_activation_fusion=True, **activation)
+                                   attention_dropout=0.0, bias_activation_fusion=True, compile_layers=mode,
+                                   **activation)
         model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=512, max_sequence_length=64).cuda()
-        assert all(getattr(layer, "is_compiled", False) == (mode == "1") for layer in model.decoder.layers)
+        apply_plan(model)
+        assert all(getattr(layer, "is_compiled", False) == (mode == "on") for layer in model.decoder.layers)
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 512, (2, 64), generator=generator).cuda()
         labels = torch.randint(0, 512, (2, 64), generator=generator).cuda()

@@ -6,8 +6,8 @@ graphs, which made TP runs host-bound on H200 (docs/performance.md). Inside a tr
 issued synchronously (`mappings.PendingCollective`), which dynamo turns into its own asynchronous
 collectives. The check runs dynamo's `explain` (no code generation) in a subprocess on torch's fake process
 group, whose backend is not gloo, so the NCCL branches of `mappings` are the ones traced. The linears are
-traced too (`MEGATRON_COMPILE_LINEARS=1`; by default a compiled layer calls them eagerly, see
-`tensor_parallel.layers.trace_linears_when_compiling`).
+traced too (the plan's `--compile-linears on`, applied here by `apply_layer_compile`; by default a compiled
+layer calls them eagerly).
 """
 import os
 import subprocess
@@ -30,8 +30,11 @@ config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, 
                            sequence_parallel=True, hidden_dropout=0.0, attention_dropout=0.0,
                            use_cpu_initialization=True, bias_activation_fusion=True)
 layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1)
+from megatron.core.optimization_plan.apply import apply_layer_compile
+eager_forward = layer.forward
+apply_layer_compile([layer], trace_linears=True)  # sets the linears' trace_when_compiled
 hidden = torch.randn(8, 2, 64, requires_grad=True)  # [s/tp, b, h]
-result = torch._dynamo.explain(layer.forward)(hidden, attention_mask=None)
+result = torch._dynamo.explain(eager_forward)(hidden, attention_mask=None)
 print("GRAPHS", result.graph_count, "BREAKS", result.graph_break_count)
 for reason in result.break_reasons:
     print("BREAK", reason.reason.splitlines()[0], reason.user_stack[-1] if reason.user_stack else "")
@@ -39,8 +42,7 @@ for reason in result.break_reasons:
 
 
 def test_compiled_tp_sp_layer_has_no_graph_breaks():
-    env = dict(os.environ, MEGATRON_COMPILE_LINEARS="1")
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=repo_root(), capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GRAPHS 1 BREAKS 0" in proc.stdout, proc.stdout[-3000:]

@@ -166,8 +166,9 @@ def test_print_args_format(capsys):
     assert lines[0] == "------------------------ arguments ------------------------"
     assert lines[-1] == "-------------------- end of arguments ---------------------"
     body = lines[1:-1]
-    # 501 flags plus rank, Zeta and alpha; the private _unknown_args is not printed.
-    assert body == sorted(body, key=str.lower) and len(body) == 501 + 3
+    # 501 Megatron flags, the 4 of the optimisation plan, plus rank, Zeta and alpha; the private _unknown_args
+    # is not printed.
+    assert body == sorted(body, key=str.lower) and len(body) == 501 + 4 + 3
     assert "  num_layers " + "." * (48 - len("num_layers")) + " 2" in body
     assert "  alpha " + "." * 43 + " x" in body and not any("_unknown_args" in line for line in body)
     args.rank = 3

@@ -44,3 +44,20 @@ def seed_all(seed: int) -> None:
     """Seed torch and the model-parallel RNG trackers."""
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def apply_plan(model, device=None, compile_backend: str = "inductor", **decisions):
+    """Resolve and apply the optimisation plan to a built model (a module or a list of chunks), as
+    `get_model` does; `device` (a `DeviceFacts`) replaces the facts read from the model, and `decisions`
+    replace plan rows (`compile_layers=Decision(True, "test")`). Returns the model and the plan."""
+    import dataclasses
+
+    from megatron.core.optimization_plan.apply import apply_optimization_plan, device_facts_of
+    from megatron.core.optimization_plan.resolve import resolve_plan
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    plan = resolve_plan(chunks[0].config, device if device is not None else device_facts_of(chunks))
+    if decisions:
+        plan = dataclasses.replace(plan, **decisions)
+    apply_optimization_plan(chunks, plan, compile_backend=compile_backend)
+    return model, plan

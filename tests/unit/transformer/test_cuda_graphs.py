@@ -1,11 +1,10 @@
-"""CPU side of per-layer CUDA graphs: on CPU the flag leaves the layers alone (one info line), and the
-config rules match the argument validation. The graphs themselves are checked on GPUs by
+"""CPU side of per-layer CUDA graphs: off the GPU the plan leaves the layers alone (and says so in its table),
+and the config rules match the argument validation. The graphs themselves are checked on GPUs by
 tests/functional/test_cuda_graph_gpu.py."""
-import logging
-
 import torch
 
-from megatron.core.transformer.cuda_graphs import GraphedLayer, cuda_graph_problems, enable_layer_cuda_graphs
+from megatron.core.optimization_plan.resolve import DeviceFacts, cuda_graph_problems, resolve_plan
+from megatron.core.transformer.cuda_graphs import GraphedLayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -16,14 +15,12 @@ def _config(**kwargs):
     return TransformerConfig(**base)
 
 
-def test_cpu_layers_stay_eager_with_one_info_line(caplog):
-    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
-    forwards = [layer.forward for layer in layers]
-    with caplog.at_level(logging.INFO, logger="megatron.core.transformer.cuda_graphs"):
-        assert enable_layer_cuda_graphs(layers, _config()) is False
-    assert [layer.forward for layer in layers] == forwards
-    assert sum("not on a CUDA device" in r.getMessage() for r in caplog.records) == 1
-    assert enable_layer_cuda_graphs(layers, _config(enable_cuda_graph=False)) is False
+def test_plan_graphs_only_cuda_layers():
+    cpu = resolve_plan(_config(), DeviceFacts("cpu")).cuda_graphs
+    assert cpu.value is None and "on cpu: no graphs" in cpu.why
+    cuda = resolve_plan(_config(cuda_graph_warmup_steps=2), DeviceFacts("cuda", True, (9, 0))).cuda_graphs
+    assert cuda.value == {"warmup_steps": 2}
+    assert resolve_plan(_config(enable_cuda_graph=False), DeviceFacts("cuda", True)).cuda_graphs.value is None
 
 
 def test_config_rules():

@@ -58,7 +58,7 @@ from megatron.core.transformer.layernorm_linear import LayerNormColumnParallelLi
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import module_available
 from tests.harness import run_on_ranks
-from tests.unit.transformer.model_setup import init_single_rank, seed_all
+from tests.unit.transformer.model_setup import apply_plan, init_single_rank, seed_all
 
 SEED, VOCAB, SEQ, BATCH = 1234, 64, 8, 2
 RTOL, ATOL = 1e-5, 1e-6
@@ -490,7 +490,9 @@ def test_te_model_matches_native_model_at_tp2():
 
 
 def test_fp8_with_transformer_engine_modules_is_a_clear_error_and_native_fp8_without_te():
-    with pytest.raises(ValueError, match="transformer-impl local"):
-        _gpt(_config("gpt", fp8="hybrid"), "gpt", stand_in=True)
-    native = _gpt(_config("gpt", fp8="hybrid"), "gpt", stand_in=False)
+    from megatron.core.optimization_plan.resolve import PlanError
+
+    with pytest.raises(PlanError, match="transformer-impl local"):
+        apply_plan(_gpt(_config("gpt", fp8="hybrid"), "gpt", stand_in=True))
+    native, _ = apply_plan(_gpt(_config("gpt", fp8="hybrid"), "gpt", stand_in=False))
     assert native.decoder.layers[0].self_attention.linear_qkv.fp8 is not None
