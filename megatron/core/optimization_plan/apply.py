@@ -11,6 +11,7 @@ that tests and tools can apply one of them to a module that is not a whole model
 Call it on the chunks as built (or moved to their device), before the mixed-precision and data-parallel
 wrappers, as `megatron.training.get_model` does; a chunk gets the plan once.
 """
+import logging
 from typing import Iterable, List, Optional, Sequence
 
 import torch
@@ -19,13 +20,15 @@ import torch.distributed as dist
 from megatron.core.extensions.transformer_engine import _TransformerEngineModule
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fusions._compile import set_fusion_kernels
-from megatron.core.optimization_plan.resolve import DeviceFacts, OptimizationPlan
+from megatron.core.optimization_plan.resolve import DeviceFacts, OptimizationPlan, format_plan, resolve_plan
 from megatron.core.process_groups_config import get_tensor_model_parallel_group_if_none
 from megatron.core.tensor_parallel.layers import _ParallelLinearBase
 from megatron.core.transformer.cuda_graphs import enable_layer_cuda_graphs
 from megatron.core.transformer.layer_compile import compile_forward
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import module_available
+
+logger = logging.getLogger(__name__)
 
 
 def transformer_blocks(model_chunks: Iterable[torch.nn.Module]) -> List[TransformerBlock]:
@@ -109,5 +112,22 @@ def apply_optimization_plan(model_chunks: Sequence[torch.nn.Module], plan: Optim
         block.mark_plan_applied(plan)
 
 
-__all__ = ["apply_optimization_plan", "device_facts_of", "transformer_blocks", "apply_fp8", "apply_layer_compile",
+def apply_plan_if_missing(model: torch.nn.Module) -> bool:
+    """Resolve and apply the plan of `model.config` to `model` when none of its blocks has one yet.
+
+    This is how a model built by Megatron Core user code (no `megatron.training.get_model`) runs the same code
+    as the trainer for the same config, FP8 and CUDA graphs included: `LanguageModule` calls it at its first
+    forward, and the plan is logged once. A model some of whose blocks already carry a plan is left as it is.
+    Returns whether a plan was applied."""
+    blocks = transformer_blocks([model])
+    if not blocks or any(block.optimization_plan is not None for block in blocks):
+        return False
+    plan = resolve_plan(model.config, device_facts_of([model]))
+    logger.info("%s: no optimisation plan was applied before the first forward; applying the plan of its "
+                "config\n%s", type(model).__name__, format_plan(plan))
+    apply_optimization_plan([model], plan)
+    return True
+
+
+__all__ = ["apply_optimization_plan", "apply_plan_if_missing", "device_facts_of", "transformer_blocks", "apply_fp8", "apply_layer_compile",
            "apply_tp_comm_overlap", "apply_cuda_graphs"]

@@ -142,6 +142,7 @@ def _tiny_model(**config_kwargs):
 
 def test_apply_carries_out_the_plan_and_a_block_refuses_to_run_without_it():
     from megatron.core.fusions import _compile
+    from megatron.core.transformer.transformer_block import TransformerBlock
     from tests.unit.transformer.model_setup import teardown_single_rank
 
     try:
@@ -149,8 +150,9 @@ def test_apply_carries_out_the_plan_and_a_block_refuses_to_run_without_it():
         position_ids = torch.arange(16).expand(2, 16)
         model = _tiny_model(fp8="hybrid", fp8_recipe="tensorwise", fusion_kernels="eager")
         assert settings_applied_by_plan(model.config) == ["--fp8-format hybrid", "--fusion-kernels eager"]
+        bare = TransformerBlock(model.config, model.decoder.submodules)
         with pytest.raises(RuntimeError, match="asks for --fp8-format hybrid, --fusion-kernels eager"):
-            model(tokens, position_ids, None, labels=tokens)
+            bare(torch.zeros(16, 2, 32), None)
         facts = device_facts_of([model])
         assert (facts.device_type, facts.cuda, facts.tp_backend) == ("cpu", torch.cuda.is_available(), "gloo")
         assert facts.transformer_engine_modules == ()
@@ -160,10 +162,37 @@ def test_apply_carries_out_the_plan_and_a_block_refuses_to_run_without_it():
         fp8_linears = [name for name, module in model.named_modules() if getattr(module, "fp8", None) is not None]
         assert len(fp8_linears) == 8 and all(name.startswith("decoder.layers.") for name in fp8_linears)
         assert model(tokens, position_ids, None, labels=tokens).isfinite().all()
+        assert model.decoder.optimization_plan is plan  # the explicit plan stays; the first forward adds none
         with pytest.raises(RuntimeError, match="already have an optimisation plan applied"):
             apply_optimization_plan([model], plan)
+    finally:
+        teardown_single_rank()
+
+
+def test_a_model_built_by_user_code_applies_its_config_plan_at_the_first_forward(caplog):
+    """Megatron Core scripts build `GPTModel` themselves (no `get_model`): FP8 in the config must just work, and
+    the model must run what the trainer runs for the same config."""
+    from tests.unit.transformer.model_setup import teardown_single_rank
+
+    try:
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        position_ids = torch.arange(16).expand(2, 16)
+        model = _tiny_model(fp8="hybrid", fp8_recipe="tensorwise")
+        assert model.decoder.optimization_plan is None
+        with caplog.at_level("INFO", logger="megatron.core.optimization_plan.apply"):
+            loss = model(tokens, position_ids, None, labels=tokens)
+        assert loss.isfinite().all() and model.decoder.optimization_plan is not None
+        assert model.decoder.optimization_plan.fp8_recipe is not None
+        fp8_linears = [name for name, module in model.named_modules() if getattr(module, "fp8", None) is not None]
+        assert len(fp8_linears) == 8
+        logged = [record.getMessage() for record in caplog.records]
+        assert len(logged) == 1 and "GPTModel: no optimisation plan" in logged[0] and "fp8" in logged[0]
+        plan = model.decoder.optimization_plan
+        model(tokens, position_ids, None, labels=tokens)
+        assert model.decoder.optimization_plan is plan and len(caplog.records) == 1  # once
         plain = _tiny_model()
         assert settings_applied_by_plan(plain.config) == [] and plain.decoder._plan_guard is None
-        assert plain(tokens, position_ids, None, labels=tokens).isfinite().all()  # a plain config runs unplanned
+        assert plain(tokens, position_ids, None, labels=tokens).isfinite().all()
+        assert plain.decoder.optimization_plan.fp8_recipe is None
     finally:
         teardown_single_rank()

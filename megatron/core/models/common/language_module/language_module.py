@@ -13,6 +13,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from megatron.core.optimization_plan.apply import apply_plan_if_missing
 from megatron.core.tensor_parallel.utils import make_tp_sharded_tensor_for_checkpoint
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import MegatronModule
@@ -29,6 +30,13 @@ _BACKEND_ENV = {
 }
 
 
+def _apply_plan_on_first_forward(module, args):
+    """Forward pre-hook: a model built outside `megatron.training.get_model` gets its config's optimisation plan
+    at the first forward (`apply_plan_if_missing`); then the hook removes itself."""
+    module._plan_hook.remove()
+    apply_plan_if_missing(module)
+
+
 class LanguageModule(MegatronModule):
     """Base class of GPT-like models: cross-entropy loss and embedding/output weight tying."""
 
@@ -36,6 +44,7 @@ class LanguageModule(MegatronModule):
         super().__init__(config=config)
         self.model_comm_pgs = model_comm_pgs
         self._set_attention_backend()
+        self._plan_hook = self.register_forward_pre_hook(_apply_plan_on_first_forward)
 
     def _set_attention_backend(self):
         """Export Transformer Engine's backend variables for `config.attention_backend` (unset ones only)."""
