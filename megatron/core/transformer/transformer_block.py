@@ -184,6 +184,10 @@ class TransformerBlock(MegatronModule):
         if sharded_offsets:
             raise ValueError(f"TransformerBlock.sharded_state_dict got unexpected sharded_offsets {sharded_offsets}")
         non_homogeneous = bool(metadata and metadata.get("non_homogeneous_layers", False))
+        # A model mixing MoE and dense layers cannot stack them on one layer axis (Megatron's rule).
+        freq = self.config.moe_layer_freq
+        if self.config.num_moe_experts is not None and (isinstance(freq, list) or freq > 1):
+            non_homogeneous = True
         sharded = {}
         layer_prefix = f"{prefix}layers."
         for index, layer in enumerate(self.layers):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from megatron.core.fp8.recipe import fp8_config_problems
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.moe.config_rules import derive_moe_defaults, moe_config_problems
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
@@ -435,6 +436,7 @@ class TransformerConfig(ModelParallelConfig):
             self.attention_softmax_in_fp32 = True
         if self.moe_ffn_hidden_size is None and self.num_moe_experts is not None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        derive_moe_defaults(self)
         if isinstance(self.pipeline_model_parallel_layout, (str, list)):
             self.pipeline_model_parallel_layout = PipelineParallelLayerLayout.from_str(
                 self.pipeline_model_parallel_layout, self.pipeline_model_parallel_size
@@ -624,15 +626,9 @@ class TransformerConfig(ModelParallelConfig):
 
     def _moe_problems(self) -> List[str]:
         problems = []
-        if self.num_moe_experts is not None and self.num_moe_experts <= 0:
-            problems.append(f"num_moe_experts ({self.num_moe_experts}) must be positive.")
         if self.moe_shared_expert_overlap and self.moe_shared_expert_intermediate_size is None:
             problems.append("moe_shared_expert_overlap needs moe_shared_expert_intermediate_size.")
-        if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
-            problems.append(
-                f"moe_router_topk ({self.moe_router_topk}) must not exceed num_moe_experts ({self.num_moe_experts})."
-            )
-        return problems
+        return problems + moe_config_problems(self)
 
 
 @dataclass
