@@ -78,21 +78,85 @@ def param_to_sharded_map(model_sharded_state_dict: Dict) -> Dict[int, Any]:
     return result
 
 
-def _pieces(sharded: Any, param: torch.Tensor) -> List[Tuple[ShardedTensor, int]]:
-    """[(ShardedTensor whose data is a contiguous view of `param`, its flat start in `param`)]."""
+def _pieces(sharded: Any, param: torch.Tensor) -> List[Tuple[ShardedTensor, Any]]:
+    """[(ShardedTensor whose data is a view of `param`, where it sits)]: its flat start in `param` when the view
+    is contiguous, else its `_StridedBox` (e.g. GroupedMLP's transposed experts)."""
     if isinstance(sharded, ShardedTensorFactory):
         built = sharded.build_fn(sharded.key, param.detach(), sharded.replica_id, None)
         pieces = [v for v in nested_values(built if isinstance(built, dict) else {"_": built})]
     else:
         pieces = [sharded]
     result = []
-    base, itemsize = param.data_ptr(), param.element_size()
     for piece in pieces:
         data = piece.data
-        if not data.is_contiguous():
-            raise ValueError(f"optimizer state for {piece.key!r}: the model shard is not a contiguous view of the "
-                             f"parameter, so its optimizer state cannot be mapped to model space")
-        result.append((piece, (data.data_ptr() - base) // itemsize))
+        if data.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            raise ValueError(f"optimizer state for {piece.key!r}: the model shard is not a view of the parameter "
+                             "(a copy), so its optimizer state cannot be mapped to model space")
+        start = data.storage_offset() - param.storage_offset()
+        if data.is_contiguous():
+            result.append((piece, start))
+        else:
+            result.append((piece, _StridedBox.of(data, start, param.numel(), piece.key)))
+    return result
+
+
+class _StridedBox:
+    """A non-contiguous view of a parameter that is a box of the parameter's memory seen as a row-major array:
+    `mem_shape` (the parameter's memory dimensions), the box's `offset` and `size` there, and `order`, the
+    view's dimension of each memory dimension (None for an inserted size-1 dimension)."""
+
+    def __init__(self, mem_shape, offset, size, order):
+        self.mem_shape, self.offset, self.size, self.order = tuple(mem_shape), tuple(offset), tuple(size), order
+
+    @classmethod
+    def of(cls, data: torch.Tensor, start: int, param_numel: int, key: str) -> "_StridedBox":
+        dims = sorted((d for d in range(data.dim()) if data.shape[d] > 1), key=lambda d: -data.stride(d))
+        strides = [data.stride(d) for d in dims]
+        ok = bool(dims) and strides[-1] == 1 and all(a % b == 0 and a > b for a, b in zip(strides, strides[1:]))
+        ok = ok and param_numel % strides[0] == 0
+        if not ok:
+            raise ValueError(f"optimizer state for {key!r}: the model shard is a view of the parameter that is not a "
+                             "box of its memory, so its optimizer state cannot be mapped to model space")
+        mem_shape = [param_numel // strides[0]] + [a // b for a, b in zip(strides, strides[1:])]
+        offset = [start // strides[0]] + [(start % a) // b for a, b in zip(strides, strides[1:])]
+        size = [data.shape[d] for d in dims]
+        if any(o + n > m for o, n, m in zip(offset, size, mem_shape)):
+            raise ValueError(f"optimizer state for {key!r}: the model shard does not fit in the parameter's memory")
+        return cls(mem_shape, offset, size, dims)
+
+    def owned_boxes(self, own_start: int, own_stop: int):
+        """(flat start of the owned memory box, its shape, the slices of the piece inside it, the piece-local
+        offset per view dimension) for every part of the piece in the owned flat range."""
+        for flat, box_offset, box_shape in flat_range_to_boxes(self.mem_shape, own_start, own_stop):
+            lows = [max(b, o) for b, o in zip(box_offset, self.offset)]
+            highs = [min(b + n, o + m) for b, n, o, m in zip(box_offset, box_shape, self.offset, self.size)]
+            if any(lo >= hi for lo, hi in zip(lows, highs)):
+                continue
+            slices = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(lows, highs, box_offset))
+            yield flat, box_shape, slices, {d: lo - o for d, lo, o in zip(self.order, lows, self.offset)}
+
+
+def _strided_shards(piece, box: _StridedBox, own_start, own_stop, tensors, replica_id) -> Dict[str, ShardedTensor]:
+    """The owned part of a strided piece as ShardedTensors whose data are (strided) views of the state tensors."""
+    result = {}
+    prepend, ndim = piece.prepend_axis_num, len(piece.local_shape)
+    to_view = [box.order.index(d) for d in range(ndim) if d in box.order]
+    for flat, box_shape, slices, local_offset in box.owned_boxes(own_start, own_stop):
+        offset = [local_offset.get(d, 0) for d in range(ndim)]
+        global_offset = tuple(piece.global_offset[:prepend]) + tuple(
+            g + o for g, o in zip(piece.global_offset[prepend:], offset))
+        for name, tensor in tensors.items():
+            begin = flat - own_start
+            # [owned numel] -> memory box -> the piece's part -> the view's dimension order (size-1 dims back in)
+            memory = tensor.view(-1)[begin:begin + math.prod(box_shape)].view(box_shape)[slices]
+            data = memory.permute(to_view)
+            for d in range(ndim):
+                if d not in box.order:
+                    data = data.unsqueeze(d)
+            key = f"{STATE_PREFIX}.{name}.{piece.key}"
+            result[f"{key}@{'_'.join(map(str, global_offset))}"] = ShardedTensor(
+                key, data, tensor.dtype, tuple(data.shape), tuple(piece.global_shape), global_offset, None, replica_id,
+                prepend, allow_shape_mismatch=piece.allow_shape_mismatch)
     return result
 
 
@@ -145,6 +209,13 @@ def model_space_state_shards(entries: Iterable[Tuple[torch.Tensor, int, int, Dic
         if sharded is None:
             continue
         for piece, piece_start in _pieces(sharded, model_param):
+            if isinstance(piece_start, _StridedBox):
+                if nd_flattened:
+                    raise ValueError(f"optimizer state for {piece.key!r}: Megatron-LM's distributed-optimizer layout of "
+                                     "a transposed expert shard (GroupedMLP) cannot be read")
+                replica_id = _optimizer_replica_id(piece.replica_id, sharded_over_dp, instance_id)
+                result.update(_strided_shards(piece, piece_start, own_start, own_stop, tensors, replica_id))
+                continue
             lo = max(own_start, piece_start)
             hi = min(own_stop, piece_start + piece.data.numel())
             prepend = piece.prepend_axis_num

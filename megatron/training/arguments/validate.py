@@ -20,6 +20,7 @@ from megatron.training.arguments.derive import derive, derived_ffn_hidden_size
 from megatron.training.arguments.errors import ArgumentsError
 from megatron.training.arguments.manifest import rejected_flag_problems
 from megatron.training.arguments.parser import UNKNOWN_ARGS_ATTR, _print_args, megatron_actions
+from megatron.training.arguments.validate_moe import validate_moe
 
 
 def validate_args(args, defaults: Optional[dict] = None):
@@ -572,5 +573,5 @@ VALIDATORS = (
     _validate_required, _validate_sizes, _validate_batch, _validate_training_length, _validate_data,
     _validate_shape, _validate_pipeline, _validate_p2p, _validate_overlap_and_sharding, _validate_precision,
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
-    _validate_cuda_graph, _validate_tp_comm_overlap,
+    _validate_cuda_graph, _validate_tp_comm_overlap, validate_moe,
 )

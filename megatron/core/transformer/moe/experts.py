@@ -188,15 +188,17 @@ class GroupedMLP(MegatronModule):
         """ShardedTensors of a gated fc1 given as [L, 2f/ETP, H]: the gate half at TP fragment tp_rank and the
         up half at ETP + tp_rank of 2 * ETP fragments."""
         axis = len(sharded_offsets)
-        gate, up = torch.chunk(local_experts_first, 2, dim=-2)
-        return [ShardedTensor.from_rank_offsets(key, half.contiguous(), *sharded_offsets, (axis, ep_rank, ep_size),
+        half = local_experts_first.shape[-2] // 2
+        gate, up = local_experts_first.narrow(-2, 0, half), local_experts_first.narrow(-2, half, half)
+        return [ShardedTensor.from_rank_offsets(key, half, *sharded_offsets, (axis, ep_rank, ep_size),
                                                 (axis + 1, rank, tp_size * 2), replica_id=replica_id,
                                                 prepend_axis_num=axis)
                 for half, rank in ((gate, tp_rank), (up, tp_size + tp_rank))]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """weight1/weight2 saved per expert in the SequentialMLP layout (transposed copies; loading transposes
-        back), plus placeholder `_extra_state` objects, so the dist checkpoint equals SequentialMLP's."""
+        """weight1/weight2 saved per expert in the SequentialMLP layout (transposed views of the parameters, so
+        optimizer states map onto them too), plus placeholder `_extra_state` objects, so the dist checkpoint equals
+        SequentialMLP's."""
         ep_size, ep_rank = group_size(self.ep_group), group_rank(self.ep_group)
         tp_size, tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
         dp_rank = group_rank(self.dp_group)
@@ -208,13 +210,14 @@ class GroupedMLP(MegatronModule):
         def build(key, data, replica, flattened_range, fc1):
             if flattened_range is not None:
                 raise ValueError(f"{key}: GroupedMLP weights cannot be saved from flattened optimizer shards.")
-            # fc1 [H, L*F] -> [L, H, F] -> [L, F, H]; fc2 [L*F, H] -> [L, F, H] -> [L, H, F]
+            # fc1 [H, L*F] -> [L, H, F] -> [L, F, H]; fc2 [L*F, H] -> [L, F, H] -> [L, H, F] (views of the weight)
+            data = data.detach()
             experts = data.view(num_local, hidden, -1) if fc1 else data.view(num_local, -1, hidden)
             experts = experts.transpose(-1, -2)
             if fc1 and with_glu:
                 return self._glu_pieces(key, experts, sharded_offsets, ep_rank, ep_size, tp_rank, tp_size, replica)
             tp_axis = axis + 1 if fc1 else axis + 2
-            return ShardedTensor.from_rank_offsets(key, experts.contiguous(), *sharded_offsets, (axis, ep_rank, ep_size),
+            return ShardedTensor.from_rank_offsets(key, experts, *sharded_offsets, (axis, ep_rank, ep_size),
                                                    (tp_axis, tp_rank, tp_size), replica_id=replica,
                                                    prepend_axis_num=axis)
 
