@@ -130,13 +130,17 @@ def _worker(fixture_dir, save_dir):
 
 
 def _fixture_tensors(checkpoint_dir):
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata()
     state = {key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
              for key, item in metadata.state_dict_metadata.items()
              if hasattr(item, "size") and not key.startswith("optimizer")}
-    dcp.load(state, checkpoint_id=checkpoint_dir, no_dist=True)
+    with warnings.catch_warnings():  # "loading in a single process": intended here
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=checkpoint_dir, no_dist=True)
     return state
 
 

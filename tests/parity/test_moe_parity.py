@@ -16,7 +16,9 @@ reference's global tensors that way; after every step every rank reports its pie
 Data: every data-parallel rank gets its own micro-batches; the reference runs all of them as separate
 micro-batches (`DP x M` of them), so each router sees the same tokens as in the parallel run and the
 auxiliary losses, the capacity and the drops are the same. With sequence parallelism the router of each TP rank
-sees half the sequence: the balancing losses combine over TP (and capacity is not tested there).
+sees half the sequence: the balancing losses combine over TP (and capacity is not tested there). The per-token
+loss case runs without TP: Megatron multiplies each rank's auxiliary losses by its local token count, which
+under sequence parallelism is 1/TP of the sequence, so there its auxiliary gradients shrink by TP.
 
 Tolerances: loss <= 1e-6 relative, parameter change (= gradient) <= 1e-5 relative per tensor (L2 norm of the
 difference over the L2 norm of the reference change). Only the order of float sums differs (all-to-all vs
@@ -36,7 +38,8 @@ STEPS, MICRO, LR, DP_MAX = 3, 2, 0.5, 4
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 
 BASE = dict(num_experts=4, topk=2, balancing="aux_loss", aux=1e-2, z=1e-3, shared=None, grouped=False,
-            score="softmax", bias=False, capacity=None, pad=False, drop="probs", freq=1, overlap=False, recompute=None)
+            score="softmax", bias=False, capacity=None, pad=False, drop="probs", freq=1, overlap=False, recompute=None,
+            per_token=False)
 CASES = [
     dict(name="ep4-alltoall", ep=4, dispatcher="alltoall", num_experts=8),
     dict(name="ep4-allgather-grouped", ep=4, dispatcher="allgather", grouped=True, num_experts=8),
@@ -55,6 +58,7 @@ CASES = [
          overlap=True, recompute=["moe"]),
     dict(name="ep4-grouped-recompute-moe-act-shared", ep=4, dispatcher="alltoall", grouped=True, shared=16,
          num_experts=8, recompute=["moe_act", "shared_experts"]),
+    dict(name="ep2-per-token-loss-alltoall", ep=2, dispatcher="alltoall", per_token=True, balancing="seq_aux_loss"),
 ]
 
 
@@ -85,6 +89,7 @@ def _config(case, parallel=True):
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
         expert_model_parallel_size=case["ep"] if parallel else 1,
         expert_tensor_parallel_size=(case["etp"] or tp) if parallel else 1,
+        calculate_per_token_loss=case["per_token"],
     )
 
 
@@ -202,12 +207,15 @@ def _reference(case):
     for step in range(STEPS):
         model.zero_grad()
         batches = data[step][: dp * MICRO]
-        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / len(batches))
+        # per-token loss: every loss (auxiliary ones included) over the global token count, as finalize_model_grads
+        # divides; else each micro-batch's mean over its tokens, averaged over the micro-batches
+        all_tokens = sum(b["loss_mask"].sum() for b in batches)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / (all_tokens if case["per_token"] else len(batches)))
         total = torch.zeros(2)
         for batch in batches:
             loss, num_tokens, report = _loss_func(batch["loss_mask"], model(
                 batch["tokens"], batch["position_ids"], None, labels=batch["labels"]))
-            (loss / num_tokens / len(batches)).backward()
+            (loss / all_tokens if case["per_token"] else loss / num_tokens / len(batches)).backward()
             total += report["lm loss"]
         losses.append((total[0] / total[1]).item())
         with torch.no_grad():

@@ -43,8 +43,9 @@ def _loop_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool) -> t
 
 def _offsets(batch_sizes, device) -> torch.Tensor:
     sizes = batch_sizes if torch.is_tensor(batch_sizes) else torch.tensor(list(batch_sizes))
-    # rows per group -> cumulative end offsets, int32 on the device (non-blocking from the host)
-    return torch.cumsum(sizes.to(device="cpu", dtype=torch.int64), 0).to(torch.int32).to(device, non_blocking=True)
+    # rows per group -> cumulative end offsets, int32 on the device (from pinned memory: no host wait)
+    offsets = torch.cumsum(sizes.to(device="cpu", dtype=torch.int64), 0).to(torch.int32)
+    return offsets.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else offsets
 
 
 def _torch_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool) -> torch.Tensor:

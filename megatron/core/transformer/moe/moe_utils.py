@@ -275,16 +275,26 @@ def topk_softmax_with_capacity(
 # ---------------------------------------------------------------------------------------------------------
 # Token permutation
 # ---------------------------------------------------------------------------------------------------------
-def _expert_major_token_indices(routing_map: torch.Tensor, num_out_tokens: Optional[int]) -> torch.Tensor:
-    """For e = 0..E-1, the ids t (ascending) with routing_map[t, e], flattened: [num routed rows]."""
-    num_tokens = routing_map.shape[0]
+def _expert_major_routes(routing_map: torch.Tensor, num_out_tokens: Optional[int]):
+    """(expert ids, token ids) of every route, expert-major and in token order inside an expert."""
+    num_tokens, num_experts = routing_map.shape
     # [T, E] -> [E, T]
     expert_major = routing_map.bool().T.contiguous()
     if num_out_tokens is None:
-        token_indices = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand_as(expert_major)
-        return token_indices.masked_select(expert_major)
-    # (e, t) pairs in row-major order -> their t column
-    return torch.nonzero_static(expert_major, size=int(num_out_tokens))[:, 1].contiguous()
+        token_ids = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand_as(expert_major)
+        expert_ids = torch.arange(num_experts, device=routing_map.device).unsqueeze(1).expand_as(expert_major)
+        return expert_ids.masked_select(expert_major), token_ids.masked_select(expert_major)
+    # (e, t) pairs in row-major order, found without reading their number back from the device
+    pairs = torch.nonzero_static(expert_major, size=int(num_out_tokens))
+    return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+
+
+def _host_index_to(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device`; a CUDA copy goes through pinned memory (a pageable copy would make the
+    host wait for the GPU)."""
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
 
 
 def permute(
@@ -316,9 +326,9 @@ def permute(
         # [E, capacity] -> [E*capacity]
         sorted_indices = sorted_indices.view(-1)
     else:
-        sorted_indices = _expert_major_token_indices(routing_map, num_out_tokens)
+        expert_ids, sorted_indices = _expert_major_routes(routing_map, num_out_tokens)
         if probs is not None:
-            permuted_probs = probs.T.contiguous().masked_select(routing_map.bool().T.contiguous())
+            permuted_probs = probs[sorted_indices, expert_ids]
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
 
 
@@ -376,7 +386,7 @@ def sort_chunks_by_idxs(
     fused: bool = False,
 ):
     """Split input (and probs) into chunks of `split_sizes` rows and concatenate them in `sorted_idxs` order."""
-    index = _chunk_gather_index(split_sizes, sorted_idxs).to(device=input.device, non_blocking=True)
+    index = _host_index_to(_chunk_gather_index(split_sizes, sorted_idxs), input.device)
     output = input.index_select(0, index)
     permuted_probs = probs.index_select(0, index) if probs is not None else None
     return output, permuted_probs

@@ -171,11 +171,9 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.local_probs = probs[:, first:last].contiguous()
         # The row count decides the shapes that follow: one host read per layer (as in Megatron).
         tokens_per_expert = self.local_map.sum(dim=0).long().cpu()
-        permuted, _, self.reversed_local_input_permutation_mapping = permute(
-            hidden_states, self.local_map, num_out_tokens=int(tokens_per_expert.sum()),
+        permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
+            hidden_states, self.local_map, probs=self.local_probs, num_out_tokens=int(tokens_per_expert.sum()),
             fused=self.config.moe_permute_fusion)
-        # [N, L] -> [L, N] -> the probabilities of the routed rows, expert-major
-        self.local_probs = self.local_probs.T.contiguous().masked_select(self.local_map.T.contiguous())
         self.routing_map = None
         return permuted, tokens_per_expert, self.local_probs
 

@@ -229,6 +229,7 @@ def test_config_rules_name_the_fields():
     for kw, message in cases:
         with pytest.raises(ValueError, match=message):
             _moe_config(**kw)
-    config = _moe_config(moe_expert_capacity_factor=-1.0, moe_layer_recompute=True)
+    with pytest.warns(UserWarning, match="deprecated"):
+        config = _moe_config(moe_expert_capacity_factor=-1.0, moe_layer_recompute=True)
     assert config.moe_expert_capacity_factor is None
     assert config.recompute_granularity == "selective" and "moe" in config.recompute_modules
