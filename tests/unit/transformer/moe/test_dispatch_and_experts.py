@@ -233,3 +233,30 @@ def test_config_rules_name_the_fields():
         config = _moe_config(moe_expert_capacity_factor=-1.0, moe_layer_recompute=True)
     assert config.moe_expert_capacity_factor is None
     assert config.recompute_granularity == "selective" and "moe" in config.recompute_modules
+
+
+def test_shared_expert_gate_and_its_checkpoint_key():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    config = _moe_config(moe_shared_expert_intermediate_size=32)
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    torch.manual_seed(0)
+    gated = SharedExpertMLP(config, submodules, gate=True)
+    assert gated.linear_fc1.weight.shape == (64, 16) and gated.gate_weight.shape == (1, 16)
+    x = torch.randn(5, 2, 16)
+    plain, _ = super(SharedExpertMLP, gated).forward(x)
+    assert torch.allclose(gated(x), plain * torch.sigmoid(x @ gated.gate_weight.t()))
+    assert "gate_weight" in gated.sharded_state_dict()
+
+
+def test_moe_layer_runs_eagerly_inside_a_compiled_function():
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    layer = build_module(get_moe_module_spec(use_te=False, num_experts=4), config=_moe_config())
+    x = torch.randn(6, 2, 16)
+    expected, _ = layer(x)
+    compiled = torch.compile(lambda inputs: layer(inputs)[0] * 2, backend="eager")
+    assert torch.allclose(compiled(x), expected * 2)
