@@ -10,6 +10,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -31,8 +32,8 @@ SPIKY_LOSS_FACTOR = 10
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage: Optional[int] = None) -> GPTModel:
-    """Build the GPT model of this pipeline stage (layer spec from --spec, --heterogeneous-layers-config-path or
-    --transformer-impl)."""
+    """Build the GPT model of this pipeline stage (layer spec from --spec, --heterogeneous-layers-config-path, the
+    MoE block spec with --num-experts, else --transformer-impl)."""
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
@@ -41,6 +42,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage: Optional[int] 
         layer_spec = import_module(args.spec)
     elif args.heterogeneous_layers_config_path is not None:
         layer_spec = get_gpt_heterogeneous_layer_spec(config, use_te, vp_stage=vp_stage)
+    elif args.num_experts:
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                                qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
     elif use_te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec(
             args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention,

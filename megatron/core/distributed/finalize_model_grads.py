@@ -248,7 +248,10 @@ def _reshard_if_dtensor(tensor_to_shard: torch.Tensor, reference_tensor: torch.T
 
 
 def _update_router_expert_bias(model: List[torch.nn.Module], config) -> None:
-    """Aux-loss-free MoE load balancing: move each expert's bias towards the mean token load."""
+    """Aux-loss-free MoE load balancing, once per step: counts summed over TP x CP x DP, then each expert's bias
+    moves by `rate * sign(mean count - its count)` and the counts restart. The same update as
+    `megatron.core.transformer.moe.moe_utils.get_updated_expert_bias` (this package must not import the model
+    code; the MoE parity test checks that both agree)."""
     tokens_per_expert, expert_biases = [], []
     for model_chunk in model:
         for module in get_attr_wrapped_model(model_chunk, "modules")():

@@ -48,8 +48,10 @@ class TESpecProvider:
         return TEDotProductAttention
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
-        """Mixture-of-experts modules are not provided by this framework yet."""
-        raise ValueError("mixture-of-experts layers (--num-experts) are not supported by this framework yet.")
+        """Transformer Engine's expert modules are not wired here (the native experts are, without TE)."""
+        raise ValueError("mixture-of-experts layers (--num-experts) with Transformer Engine's modules are not wired "
+                         "in this framework: use --transformer-impl local (the native experts, same checkpoint "
+                         "layout).")
 
     def activation_func(self) -> Optional[type]:
         """No separate activation module: the MLP applies `config.activation_func`."""

@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.dot_product_attention import DotProductAttention, TECompatibleDotProductAttention
 from megatron.core.transformer.layernorm_linear import LayerNormColumnParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.torch_norm import L2Norm, WrappedTorchNorm
 
 
@@ -79,8 +80,11 @@ class LocalSpecProvider:
         return DotProductAttention
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
-        """Mixture-of-experts modules are not provided by this framework yet."""
-        raise ValueError("mixture-of-experts layers (--num-experts) are not supported by this framework yet.")
+        """The expert class and its submodules: GroupedMLP (one grouped GEMM for all local experts) with
+        grouped GEMM, else SequentialMLP of native column/row-parallel linears (the keys of TE's linears)."""
+        if moe_use_grouped_gemm:
+            return GroupedMLP, None
+        return SequentialMLP, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
 
     def activation_func(self) -> Optional[type]:
         """No separate activation module: the MLP applies `config.activation_func`."""

@@ -56,21 +56,85 @@ def param_to_sharded_map(model_sharded_state_dict: Dict) -> Dict[int, Any]:
     return result
 
 
-def _pieces(sharded: Any, param: torch.Tensor) -> List[Tuple[ShardedTensor, int]]:
-    """[(ShardedTensor whose data is a contiguous view of `param`, its flat start in `param`)]."""
+def _pieces(sharded: Any, param: torch.Tensor) -> List[Tuple[ShardedTensor, Any]]:
+    """[(ShardedTensor whose data is a view of `param`, where it sits)]: its flat start in `param` when the view
+    is contiguous, else its `_StridedBox` (e.g. GroupedMLP's transposed experts)."""
     if isinstance(sharded, ShardedTensorFactory):
         built = sharded.build_fn(sharded.key, param.detach(), sharded.replica_id, None)
         pieces = [v for v in nested_values(built if isinstance(built, dict) else {"_": built})]
     else:
         pieces = [sharded]
     result = []
-    base, itemsize = param.data_ptr(), param.element_size()
     for piece in pieces:
         data = piece.data
-        if not data.is_contiguous():
-            raise ValueError(f"optimizer state for {piece.key!r}: the model shard is not a contiguous view of the "
-                             f"parameter, so its optimizer state cannot be mapped to model space")
-        result.append((piece, (data.data_ptr() - base) // itemsize))
+        if data.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            raise ValueError(f"optimizer state for {piece.key!r}: the model shard is not a view of the parameter "
+                             "(a copy), so its optimizer state cannot be mapped to model space")
+        start = data.storage_offset() - param.storage_offset()
+        if data.is_contiguous():
+            result.append((piece, start))
+        else:
+            result.append((piece, _StridedBox.of(data, start, param.numel(), piece.key)))
+    return result
+
+
+class _StridedBox:
+    """A non-contiguous view of a parameter that is a box of the parameter's memory seen as a row-major array:
+    `mem_shape` (the parameter's memory dimensions), the box's `offset` and `size` there, and `order`, the
+    view's dimension of each memory dimension (None for an inserted size-1 dimension)."""
+
+    def __init__(self, mem_shape, offset, size, order):
+        self.mem_shape, self.offset, self.size, self.order = tuple(mem_shape), tuple(offset), tuple(size), order
+
+    @classmethod
+    def of(cls, data: torch.Tensor, start: int, param_numel: int, key: str) -> "_StridedBox":
+        dims = sorted((d for d in range(data.dim()) if data.shape[d] > 1), key=lambda d: -data.stride(d))
+        strides = [data.stride(d) for d in dims]
+        ok = bool(dims) and strides[-1] == 1 and all(a % b == 0 and a > b for a, b in zip(strides, strides[1:]))
+        ok = ok and param_numel % strides[0] == 0
+        if not ok:
+            raise ValueError(f"optimizer state for {key!r}: the model shard is a view of the parameter that is not a "
+                             "box of its memory, so its optimizer state cannot be mapped to model space")
+        mem_shape = [param_numel // strides[0]] + [a // b for a, b in zip(strides, strides[1:])]
+        offset = [start // strides[0]] + [(start % a) // b for a, b in zip(strides, strides[1:])]
+        size = [data.shape[d] for d in dims]
+        if any(o + n > m for o, n, m in zip(offset, size, mem_shape)):
+            raise ValueError(f"optimizer state for {key!r}: the model shard does not fit in the parameter's memory")
+        return cls(mem_shape, offset, size, dims)
+
+    def owned_boxes(self, own_start: int, own_stop: int):
+        """(flat start of the owned memory box, its shape, the slices of the piece inside it, the piece-local
+        offset per view dimension) for every part of the piece in the owned flat range."""
+        for flat, box_offset, box_shape in flat_range_to_boxes(self.mem_shape, own_start, own_stop):
+            lows = [max(b, o) for b, o in zip(box_offset, self.offset)]
+            highs = [min(b + n, o + m) for b, n, o, m in zip(box_offset, box_shape, self.offset, self.size)]
+            if any(lo >= hi for lo, hi in zip(lows, highs)):
+                continue
+            slices = tuple(slice(lo - b, hi - b) for lo, hi, b in zip(lows, highs, box_offset))
+            yield flat, box_shape, slices, {d: lo - o for d, lo, o in zip(self.order, lows, self.offset)}
+
+
+def _strided_shards(piece, box: _StridedBox, own_start, own_stop, tensors, replica_id) -> Dict[str, ShardedTensor]:
+    """The owned part of a strided piece as ShardedTensors whose data are (strided) views of the state tensors."""
+    result = {}
+    prepend, ndim = piece.prepend_axis_num, len(piece.local_shape)
+    to_view = [box.order.index(d) for d in range(ndim) if d in box.order]
+    for flat, box_shape, slices, local_offset in box.owned_boxes(own_start, own_stop):
+        offset = [local_offset.get(d, 0) for d in range(ndim)]
+        global_offset = tuple(piece.global_offset[:prepend]) + tuple(
+            g + o for g, o in zip(piece.global_offset[prepend:], offset))
+        for name, tensor in tensors.items():
+            begin = flat - own_start
+            # [owned numel] -> memory box -> the piece's part -> the view's dimension order (size-1 dims back in)
+            memory = tensor.view(-1)[begin:begin + math.prod(box_shape)].view(box_shape)[slices]
+            data = memory.permute(to_view)
+            for d in range(ndim):
+                if d not in box.order:
+                    data = data.unsqueeze(d)
+            key = f"{STATE_PREFIX}.{name}.{piece.key}"
+            result[f"{key}@{'_'.join(map(str, global_offset))}"] = ShardedTensor(
+                key, data, tensor.dtype, tuple(data.shape), tuple(piece.global_shape), global_offset, None, replica_id,
+                prepend, allow_shape_mismatch=piece.allow_shape_mismatch)
     return result
 
 
@@ -82,6 +146,17 @@ def _optimizer_replica_id(replica_id: Any, sharded_over_dp: bool, instance_id: i
     if isinstance(replica_id, tuple):
         return (*replica_id[:-1], instance_id)
     return instance_id
+
+
+def _add_strided_piece(result: Dict[str, Any], index: int, piece: ShardedTensor, box: "_StridedBox", own_start: int,
+                       own_stop: int, tensors: Dict[str, torch.Tensor], replica_id: Any) -> None:
+    """The owned part of a piece that is a strided view of its parameter (GroupedMLP's transposed experts) as
+    model-space boxes, views of the state tensors (not Megatron's N-D flattened layout, which a transposed view
+    cannot take: Megatron's GroupedMLP optimizer states do not load into other expert layouts either)."""
+    prefix_len = len(STATE_PREFIX) + 1
+    for box_index, shard in enumerate(_strided_shards(piece, box, own_start, own_stop, tensors, replica_id).values()):
+        name = shard.key[prefix_len:len(shard.key) - len(piece.key) - 1]
+        result.setdefault(name, {})[f"{index}_{box_index}"] = shard
 
 
 def param_state_shards(model_param: torch.Tensor, own_start: int, own_stop: int, tensors: Dict[str, torch.Tensor],
@@ -101,10 +176,13 @@ def param_state_shards(model_param: torch.Tensor, own_start: int, own_stop: int,
     result: Dict[str, Any] = {}
     pieces = _pieces(sharded, model_param)
     for index, (piece, piece_start) in enumerate(pieces):
+        replica_id = _optimizer_replica_id(piece.replica_id, sharded_over_dp, instance_id)
+        if isinstance(piece_start, _StridedBox):
+            _add_strided_piece(result, index, piece, piece_start, own_start, own_stop, tensors, replica_id)
+            continue
         lo, hi = max(own_start, piece_start), min(own_stop, piece_start + piece.data.numel())
         if lo >= hi:
             continue
-        replica_id = _optimizer_replica_id(piece.replica_id, sharded_over_dp, instance_id)
         for name, tensor in tensors.items():
             key = f"{STATE_PREFIX}.{name}.{piece.key}"
             flat = tensor.view(-1)[lo - own_start:hi - own_start]

@@ -81,7 +81,8 @@ class MLP(MegatronModule):
         intermediate, bias = self.linear_fc1(hidden_states)
         intermediate = self.activation(intermediate, bias)
         if per_token_scale is not None:
-            intermediate = intermediate * per_token_scale.unsqueeze(-1)
+            # MoE experts: the routing probability (possibly fp32) weights each row; the product is cast back
+            intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(intermediate.dtype)
         return self.linear_fc2(intermediate)
 
     def activation(self, intermediate: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

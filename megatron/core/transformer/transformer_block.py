@@ -194,6 +194,10 @@ class TransformerBlock(MegatronModule):
         non_homogeneous = bool(metadata and metadata.get("non_homogeneous_layers", False))
         # Layers that may differ cannot be stacked along one layer axis: keys carry the global layer index.
         non_homogeneous |= self.config.heterogeneous_block_specs or self.config.hetereogenous_dist_checkpoint
+        # A model mixing MoE and dense layers cannot stack them on one layer axis (Megatron's rule).
+        freq = self.config.moe_layer_freq
+        if self.config.num_moe_experts is not None and (isinstance(freq, list) or freq > 1):
+            non_homogeneous = True
         sharded = {}
         layer_prefix = f"{prefix}layers."
         for index, layer in enumerate(self.layers):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.moe.config_rules import derive_moe_defaults, moe_config_problems
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
@@ -236,10 +237,10 @@ class TransformerConfig(ModelParallelConfig):
     """Hidden size of the shared experts (None: no shared expert)."""
 
     moe_shared_expert_overlap: bool = False
-    """Overlap shared-expert compute with token dispatch."""
+    """Overlap the shared experts' compute with the alltoall dispatcher's communication."""
 
     moe_layer_freq: Union[int, List[int]] = 1
-    """Which layers are MoE: every N-th (int) or an explicit 0/1 pattern (list)."""
+    """Which layers are MoE: an int N makes layers 0, N, 2N, ... MoE; a list gives 1 (MoE) or 0 per layer."""
 
     moe_ffn_hidden_size: Optional[int] = None
     """Hidden size of each routed expert (None: ffn_hidden_size)."""
@@ -251,7 +252,7 @@ class TransformerConfig(ModelParallelConfig):
     """Experts each token is routed to."""
 
     moe_router_topk_limited_devices: Optional[int] = None
-    """Deprecated alias of moe_router_group_topk."""
+    """Deprecated: becomes moe_router_group_topk, with moe_router_num_groups = expert_model_parallel_size."""
 
     moe_router_padding_for_fp8: Optional[bool] = False
     """Pad routing maps so expert inputs align for FP8."""
@@ -287,16 +288,17 @@ class TransformerConfig(ModelParallelConfig):
     """Run the local experts as one grouped GEMM."""
 
     moe_use_legacy_grouped_gemm: bool = False
-    """Use the legacy grouped-GEMM implementation."""
+    """With the Transformer Engine spec, use GroupedMLP instead of TEGroupedMLP (GroupedMLP is built either way
+    here)."""
 
     moe_aux_loss_coeff: float = 0.0
     """Coefficient of the load-balancing auxiliary loss."""
 
     moe_z_loss_coeff: Optional[float] = None
-    """Coefficient of the router z-loss."""
+    """Coefficient of the router z-loss (None: no z-loss)."""
 
     moe_input_jitter_eps: Optional[float] = None
-    """Multiplicative jitter on router inputs."""
+    """Multiplicative U(1 - eps, 1 + eps) jitter on the router input (None: off)."""
 
     moe_token_dropping: bool = False
     """Deprecated token dropping switch."""
@@ -311,7 +313,8 @@ class TransformerConfig(ModelParallelConfig):
     """Log MoE auxiliary losses per layer."""
 
     moe_expert_capacity_factor: Optional[float] = None
-    """Expert capacity factor (None: no token dropping)."""
+    """Expert capacity factor: each expert takes at most ceil(T * k / E * factor) tokens (None or negative:
+    dropless)."""
 
     moe_pad_expert_input_to_capacity: bool = False
     """Pad each expert's input to its capacity."""
@@ -323,7 +326,7 @@ class TransformerConfig(ModelParallelConfig):
     """Recompute MoE layers (deprecated: use recompute_modules=['moe'])."""
 
     moe_permute_fusion: bool = False
-    """Fuse token permutation (Transformer Engine)."""
+    """Use Transformer Engine's fused permutation (the native permutation, same result, is used here)."""
 
     moe_apply_probs_on_input: bool = False
     """Multiply routing probabilities into expert inputs instead of outputs."""
@@ -448,6 +451,7 @@ class TransformerConfig(ModelParallelConfig):
             self.attention_softmax_in_fp32 = True
         if self.moe_ffn_hidden_size is None and self.num_moe_experts is not None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        derive_moe_defaults(self)
         if isinstance(self.pipeline_model_parallel_layout, (str, list)):
             self.pipeline_model_parallel_layout = PipelineParallelLayerLayout.from_str(
                 self.pipeline_model_parallel_layout, self.pipeline_model_parallel_size
@@ -637,15 +641,9 @@ class TransformerConfig(ModelParallelConfig):
 
     def _moe_problems(self) -> List[str]:
         problems = []
-        if self.num_moe_experts is not None and self.num_moe_experts <= 0:
-            problems.append(f"num_moe_experts ({self.num_moe_experts}) must be positive.")
         if self.moe_shared_expert_overlap and self.moe_shared_expert_intermediate_size is None:
             problems.append("moe_shared_expert_overlap needs moe_shared_expert_intermediate_size.")
-        if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
-            problems.append(
-                f"moe_router_topk ({self.moe_router_topk}) must not exceed num_moe_experts ({self.num_moe_experts})."
-            )
-        return problems
+        return problems + moe_config_problems(self)
 
 
 @dataclass

@@ -17,8 +17,9 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.recompute import apply_selective_recompute
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_viewless_tensor
 
@@ -103,6 +104,14 @@ def _pp_rank_and_size(pp_rank: Optional[int] = None):
     return rank, size
 
 
+def _mlp_kwargs(mlp_spec, model_comm_pgs, tp_group) -> dict:
+    """An MoE layer takes the model's process groups (EP, expert TP, ...); a dense MLP its TP group."""
+    module = get_module(mlp_spec) if isinstance(mlp_spec, (ModuleSpec, type)) else None
+    if isinstance(module, type) and issubclass(module, BaseMoELayer):
+        return {"model_comm_pgs": model_comm_pgs} if model_comm_pgs is not None else {}
+    return {"tp_group": tp_group} if tp_group is not None else {}
+
+
 def get_transformer_layer_offset(config: TransformerConfig, vp_stage: Optional[int] = None, pp_rank=None) -> int:
     """0-based global index of this stage's first decoder layer (layers are numbered vp-major)."""
     rank, size = _pp_rank_and_size(pp_rank)
@@ -141,11 +150,14 @@ class TransformerLayer(MegatronModule, BaseTransformerLayer):
         self.cross_attention = build_module(submodules.cross_attention, **attn_kwargs)
         self.cross_attn_bda = build_module(submodules.cross_attn_bda, config=config)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
-        mlp_kwargs = {"tp_group": tp_group} if tp_group is not None else {}
-        self.mlp = build_module(submodules.mlp, config=config, **mlp_kwargs)
+        self.mlp = build_module(submodules.mlp, config=config, **_mlp_kwargs(submodules.mlp, model_comm_pgs, tp_group))
+        if isinstance(self.mlp, BaseMoELayer):
+            self.mlp.set_layer_number(self.layer_number)
         self.mlp_bda = build_module(submodules.mlp_bda)
         if config.recompute_granularity == "selective":
-            apply_selective_recompute(self, config.recompute_modules)
+            # An MoE layer recomputes itself ("moe", "moe_act", "shared_experts"); "mlp" means dense MLPs only.
+            modules = [m for m in config.recompute_modules if not (m == "mlp" and isinstance(self.mlp, BaseMoELayer))]
+            apply_selective_recompute(self, modules)
 
     def forward(
         self,

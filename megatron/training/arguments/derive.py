@@ -84,6 +84,8 @@ def _derive_shape(args) -> None:
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.num_experts == 0:
         args.num_experts = None
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
 
 
 def _derive_batch_and_data(args) -> None:

@@ -24,6 +24,7 @@ from megatron.training.arguments.errors import ArgumentsError
 from megatron.training.arguments.heterogeneous import heterogeneous_config_problems
 from megatron.training.arguments.manifest import rejected_flag_problems
 from megatron.training.arguments.parser import UNKNOWN_ARGS_ATTR, _print_args, megatron_actions
+from megatron.training.arguments.validate_moe import validate_moe
 
 
 def validate_args(args, defaults: Optional[dict] = None):
@@ -577,4 +578,5 @@ VALIDATORS = (
     _validate_shape, _validate_pipeline, _validate_p2p, _validate_overlap_and_sharding, _validate_precision,
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
     _validate_cuda_graph, _validate_tp_comm_overlap, _validate_optimizer_cpu_offload, heterogeneous_config_problems,
+    validate_moe,
 )

@@ -1,5 +1,11 @@
 """Layer specs of GPT models (Megatron Core's function names and signatures).
 
+MoE layers (`num_experts`) get an `MoELayer` MLP (`moe_module_specs`) and, in both specs, a separate
+`pre_mlp_layernorm` module; the local spec's key map still renames it to `mlp.linear_fc1.layer_norm_*` in
+distributed checkpoints (Megatron's behaviour: local-spec MoE checkpoints store the pre-MLP norm there),
+while the TE spec stores `pre_mlp_layernorm.*`. `get_gpt_decoder_block_spec` picks MoE or dense specs per
+layer from `moe_layer_freq`.
+
 The local spec builds native layers with the norms as separate modules (`input_layernorm`,
 `pre_mlp_layernorm`, with `sharded_state_dict_keys_map` naming their TE keys). The Transformer Engine
 spec fuses the norms into `linear_qkv` / `linear_fc1` as TE does, so its parameter names and order equal
@@ -15,6 +21,7 @@ from megatron.core.extensions.transformer_engine import import_transformer_engin
 from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider, TECompatibleLocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -51,23 +58,29 @@ def _transformer_engine_backend():
     return TESpecProvider()
 
 
-def _unsupported(num_experts, multi_latent_attention, use_kitchen):
-    if num_experts:
-        raise ValueError(f"num_experts ({num_experts}): mixture-of-experts layers are not supported yet.")
+def _unsupported(multi_latent_attention, use_kitchen):
     if multi_latent_attention:
         raise ValueError("multi_latent_attention: MLA layers are not supported yet.")
     if use_kitchen:
         raise ValueError("use_kitchen: nvidia_kitchen layers are not supported.")
 
 
-def _dense_layer_spec(backend, qk_layernorm: bool, qk_l2_norm: bool, normalization: Optional[str]) -> ModuleSpec:
-    """A dense layer; a backend that fuses norms puts them inside linear_qkv / linear_fc1 (TE's layout and keys)."""
+def _dense_layer_spec(backend, qk_layernorm: bool, qk_l2_norm: bool, normalization: Optional[str],
+                      num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
+                      moe_use_legacy_grouped_gemm: bool = False) -> ModuleSpec:
+    """A transformer layer; a backend that fuses norms puts them inside linear_qkv / linear_fc1 (TE's layout and
+    keys). With `num_experts` the MLP is an MoE layer and the pre-MLP norm a module of its own."""
     rms = normalization == "RMSNorm"
     fuse_norm = backend.fuse_layernorm_and_linear()
     layer_norm = IdentityOp if fuse_norm else backend.layer_norm(rms_norm=rms, for_qk=False)
     qkv = backend.column_parallel_layer_norm_linear() if fuse_norm else backend.column_parallel_linear()
     qk_norm = backend.l2_norm() if qk_l2_norm else backend.layer_norm(rms_norm=rms, for_qk=True)
     q_k_norm = qk_norm if (qk_layernorm or qk_l2_norm) else IdentityOp
+    if num_experts:
+        mlp = get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm, moe_use_legacy_grouped_gemm)
+        pre_mlp_layernorm = backend.layer_norm(rms_norm=rms, for_qk=False)
+    else:
+        mlp, pre_mlp_layernorm = _mlp_spec(backend), layer_norm
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -84,8 +97,8 @@ def _dense_layer_spec(backend, qk_layernorm: bool, qk_l2_norm: bool, normalizati
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=layer_norm,
-            mlp=_mlp_spec(backend),
+            pre_mlp_layernorm=pre_mlp_layernorm,
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={} if fuse_norm else dict(_KEYS_MAP),
         ),
@@ -112,9 +125,10 @@ def get_gpt_layer_local_spec(
     qk_l2_norm: Optional[bool] = False,
     use_kitchen: bool = False,
 ) -> ModuleSpec:
-    """Spec of a dense GPT layer built from native modules."""
-    _unsupported(num_experts, multi_latent_attention, use_kitchen)
-    return _dense_layer_spec(LocalSpecProvider(), bool(qk_layernorm), bool(qk_l2_norm), normalization)
+    """Spec of a GPT layer built from native modules (an MoE layer with `num_experts`)."""
+    _unsupported(multi_latent_attention, use_kitchen)
+    return _dense_layer_spec(LocalSpecProvider(), bool(qk_layernorm), bool(qk_l2_norm), normalization, num_experts,
+                             bool(moe_grouped_gemm), bool(moe_use_legacy_grouped_gemm))
 
 
 def get_gpt_layer_with_transformer_engine_spec(
@@ -131,8 +145,9 @@ def get_gpt_layer_with_transformer_engine_spec(
     """Megatron's default (`--transformer-impl transformer_engine`) spec: TE's modules when Transformer
     Engine imports, else the native modules in TE's layout (one info line per process)."""
     backend = _transformer_engine_backend()
-    _unsupported(num_experts, multi_latent_attention, use_kitchen)
-    return _dense_layer_spec(backend, bool(qk_layernorm), bool(qk_l2_norm), None)
+    _unsupported(multi_latent_attention, use_kitchen)
+    return _dense_layer_spec(backend, bool(qk_layernorm), bool(qk_l2_norm), None, num_experts, bool(moe_grouped_gemm),
+                             bool(moe_use_legacy_grouped_gemm))
 
 
 def get_mlp_module_spec(
@@ -143,20 +158,28 @@ def get_mlp_module_spec(
     moe_use_legacy_grouped_gemm: Optional[bool] = False,
     use_te_op_fuser: Optional[bool] = False,
 ) -> ModuleSpec:
-    """Spec of a dense MLP; with `use_te` the pre-MLP norm is fused into fc1 (TE's layout and keys), built
-    from TE's modules when Transformer Engine imports."""
+    """Spec of a dense MLP (with `use_te` the pre-MLP norm is fused into fc1: TE's layout and keys, TE's modules
+    when Transformer Engine imports), or of an MoE block with `num_experts`."""
+    backend = _transformer_engine_backend() if use_te else LocalSpecProvider()
     if num_experts:
-        raise ValueError(f"num_experts ({num_experts}): mixture-of-experts layers are not supported yet.")
-    return _mlp_spec(_transformer_engine_backend() if use_te else LocalSpecProvider())
+        return get_moe_module_spec_for_backend(backend, num_experts, bool(moe_grouped_gemm),
+                                               bool(moe_use_legacy_grouped_gemm))
+    return _mlp_spec(backend)
 
 
-def _moe_pattern(config: TransformerConfig):
+def moe_layer_pattern(config: TransformerConfig):
+    """1 (MoE) or 0 (dense) per layer from `moe_layer_freq` (an int N: every N-th layer from layer 0)."""
     freq = config.moe_layer_freq
-    if config.num_moe_experts is None:
-        return [0] * config.num_layers
     if isinstance(freq, int):
         return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
-    return list(freq)
+    if isinstance(freq, list):
+        if len(freq) != config.num_layers:
+            raise ValueError(f"moe_layer_freq has {len(freq)} entries but num_layers is {config.num_layers}: give "
+                             "one 0/1 per layer.")
+        if any(v not in (0, 1) for v in freq):
+            raise ValueError(f"moe_layer_freq ({freq}) may only contain 0 (dense) and 1 (MoE).")
+        return list(freq)
+    raise ValueError(f"moe_layer_freq ({freq!r}) must be an int or a list of 0/1 per layer.")
 
 
 def get_gpt_decoder_block_spec(
@@ -166,18 +189,23 @@ def get_gpt_decoder_block_spec(
     qk_l2_norm: Optional[bool] = False,
     vp_stage: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    """Per-layer specs of this pipeline stage (dense layers) and the final norm."""
-    if any(_moe_pattern(config)):
-        raise ValueError("num_moe_experts: mixture-of-experts layers are not supported yet.")
+    """Per-layer specs of this pipeline stage (MoE or dense per `moe_layer_freq`) and the final norm."""
     if use_transformer_engine:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, qk_l2_norm=qk_l2_norm)
+        def layer_spec(num_experts):
+            return get_gpt_layer_with_transformer_engine_spec(
+                num_experts, config.moe_grouped_gemm, config.qk_layernorm, config.multi_latent_attention,
+                moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm, qk_l2_norm=qk_l2_norm,
+                use_kitchen=config.use_kitchen)
         final_norm = _transformer_engine_backend().layer_norm()
     else:
-        layer_spec = get_gpt_layer_local_spec(
-            qk_layernorm=config.qk_layernorm, normalization=normalization, qk_l2_norm=qk_l2_norm
-        )
+        def layer_spec(num_experts):
+            return get_gpt_layer_local_spec(
+                num_experts, config.moe_grouped_gemm, config.qk_layernorm, config.multi_latent_attention,
+                moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm, normalization=normalization,
+                qk_l2_norm=qk_l2_norm, use_kitchen=config.use_kitchen)
         final_norm = LocalSpecProvider().layer_norm()
-    layer_specs = [layer_spec] * config.num_layers
+    dense_spec, moe_spec = layer_spec(None), layer_spec(config.num_moe_experts)
+    layer_specs = [moe_spec if is_moe else dense_spec for is_moe in moe_layer_pattern(config)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     local_specs = layer_specs[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage)]
     return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=final_norm)
@@ -188,4 +216,5 @@ __all__ = [
     "get_gpt_layer_with_transformer_engine_spec",
     "get_gpt_decoder_block_spec",
     "get_mlp_module_spec",
+    "moe_layer_pattern",
 ]

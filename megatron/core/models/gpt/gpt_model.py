@@ -13,6 +13,11 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def _default_extra_state(module, state_dict, prefix, *args, **kwargs):
+    """A state dict without the output layer's (empty) extra state, as Megatron writes them, still loads."""
+    state_dict.setdefault(f"{prefix}_extra_state", None)
+
+
 class GPTModel(LanguageModule):
     """Decoder-only transformer language model (one pipeline stage / virtual stage of it)."""
 
@@ -86,6 +91,7 @@ class GPTModel(LanguageModule):
         )
         if self.post_process:
             self.output_layer = self._build_output_layer(tp_group)
+            self.output_layer.register_load_state_dict_pre_hook(_default_extra_state)
         if self.pre_process or self.post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -165,6 +171,13 @@ class GPTModel(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [s, b, V/TP] -> [b, s, V/TP]
         return self.compute_language_model_loss(labels, logits)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """As LanguageModule's, without `output_layer._extra_state`: Megatron's GPT checkpoints never store it
+        (it is always empty), so the key set equals theirs; loading fills it in (`_default_extra_state`)."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        sharded.pop(f"{prefix}output_layer._extra_state", None)
+        return sharded
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> Dict[str, torch.Tensor]:
         """State dict for legacy checkpoints (the same keys as `state_dict`)."""

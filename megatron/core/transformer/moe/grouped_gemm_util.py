@@ -1,0 +1,108 @@
+"""Grouped GEMM for the experts: `ops.gmm(a, b, batch_sizes)` multiplies consecutive row groups of `a` by
+their own matrix of `b` (Megatron's `grouped_gemm_util` names; no `grouped_gemm` package is needed).
+
+`a` [N, K], `b` [G, K, M] (or [G, M, K] with trans_b), batch_sizes [G] rows per group (host tensor or list,
+as the dispatchers return it) -> [N, M]. On CUDA the product is one `torch._grouped_mm` call (forward and
+backward) where that kernel works for the dtype and shapes: it is probed once per (device, dtype) against
+the loop below on small tensors (zero-row group included). Elsewhere, including CPU, it is a loop of matmuls
+over the groups, which gives every group's matrix a gradient (zero for an empty group). A CUDA fallback is
+logged once per (device, dtype).
+"""
+import logging
+from types import SimpleNamespace
+from typing import Dict, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# (device, dtype) -> whether torch._grouped_mm matched the reference there
+_GROUPED_MM_SUPPORT: Dict[Tuple[torch.device, torch.dtype], bool] = {}
+_FALLBACK_LOGGED = set()
+# torch._grouped_mm needs 16-byte aligned row strides
+_ALIGN_BYTES = 16
+
+
+def grouped_gemm_is_available() -> bool:
+    """The native grouped GEMM is always available."""
+    return True
+
+
+def assert_grouped_gemm_is_available() -> None:
+    """Kept for Megatron compatibility: nothing to check (no external package)."""
+
+
+def _loop_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool) -> torch.Tensor:
+    sizes = batch_sizes.tolist() if torch.is_tensor(batch_sizes) else list(batch_sizes)
+    outputs = []
+    for group, rows in enumerate(torch.split(a, sizes)):
+        weight = b[group].t() if trans_b else b[group]
+        outputs.append(rows @ weight)  # [n_g, K] x [K, M] -> [n_g, M]
+    return torch.cat(outputs, dim=0)
+
+
+def _offsets(batch_sizes, device) -> torch.Tensor:
+    sizes = batch_sizes if torch.is_tensor(batch_sizes) else torch.tensor(list(batch_sizes))
+    # rows per group -> cumulative end offsets, int32 on the device (from pinned memory: no host wait)
+    offsets = torch.cumsum(sizes.to(device="cpu", dtype=torch.int64), 0).to(torch.int32)
+    return offsets.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else offsets
+
+
+def _torch_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool) -> torch.Tensor:
+    weight = b.transpose(-2, -1) if trans_b else b
+    return torch._grouped_mm(a, weight, offs=_offsets(batch_sizes, a.device))
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm forward and backward against the loop, on small aligned tensors (one empty group)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(24, 32, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(3, 32, 16, generator=generator).to(device=device, dtype=dtype)
+    sizes = torch.tensor([8, 0, 16])
+    grad = torch.randn(24, 16, generator=generator).to(device=device, dtype=dtype)
+    results = []
+    try:
+        for fn in (_torch_gmm, _loop_gmm):
+            a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+            out = fn(a_, b_, sizes, False)
+            out.backward(grad)
+            results.append((out.float(), a_.grad.float(), b_.grad.float()))
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
+    tolerance = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return all(torch.allclose(x, y, rtol=tolerance, atol=tolerance) for x, y in zip(*results))
+
+
+def torch_grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` computes the grouped product on `device` for `dtype` (CUDA only; probed once)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm") or torch.compiler.is_compiling():
+        return False
+    key = (device, dtype)
+    if key not in _GROUPED_MM_SUPPORT:
+        _GROUPED_MM_SUPPORT[key] = _probe(device, dtype)
+    return _GROUPED_MM_SUPPORT[key]
+
+
+def _aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
+    elements = _ALIGN_BYTES // a.element_size()
+    return a.shape[-1] % elements == 0 and b.shape[-1] % elements == 0 and b.shape[-2] % elements == 0
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) -> torch.Tensor:
+    """Grouped product `a[rows of group g] @ b[g]` (b[g]^T with trans_b) -> [N, M] (see the module docstring)."""
+    if a.is_cuda:
+        if torch_grouped_mm_supported(a.device, a.dtype) and _aligned(a, b):
+            return _torch_gmm(a, b, batch_sizes, trans_b)
+        key = (a.device, a.dtype)
+        if key not in _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.add(key)
+            logger.warning("grouped GEMM: torch._grouped_mm is not usable for %s %s with these shapes; the experts "
+                           "run as a loop of matmuls.", a.device, a.dtype)
+    return _loop_gmm(a, b, batch_sizes, trans_b)
+
+
+ops = SimpleNamespace(gmm=gmm)
+"""Megatron's `grouped_gemm_util.ops` namespace: `ops.gmm(a, b, batch_sizes, trans_b=False)`."""
+
+__all__ = ["grouped_gemm_is_available", "assert_grouped_gemm_is_available", "torch_grouped_mm_supported", "gmm", "ops"]

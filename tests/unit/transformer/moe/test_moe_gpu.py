@@ -1,0 +1,85 @@
+"""MoE on one CUDA GPU: the torch._grouped_mm path against the matmul loop, GroupedMLP against SequentialMLP in bf16,
+and the host synchronisations of an MoE layer's forward and backward (alltoall: one wait for the split sizes)."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+
+def test_grouped_mm_path_matches_the_loop_in_bf16():
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert gg.torch_grouped_mm_supported(device, torch.bfloat16), "torch._grouped_mm should work on this GPU"
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(1000, 256, generator=gen).to(device, torch.bfloat16)
+    b = torch.randn(4, 256, 512, generator=gen).to(device, torch.bfloat16)
+    sizes = torch.tensor([300, 0, 450, 250])
+    grad = torch.randn(1000, 512, generator=gen).to(device, torch.bfloat16)
+    results = []
+    for fn in (gg.gmm, gg._loop_gmm):
+        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+        out = fn(a_, b_, sizes, False)
+        out.backward(grad)
+        results.append((out.float(), a_.grad.float(), b_.grad.float()))
+    for got, want in zip(*results):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+    assert results[0][2][1].abs().sum() == 0  # the empty group's weight gets a zero gradient
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512, num_moe_experts=8,
+                moe_router_topk=2, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+                bf16=True, params_dtype=torch.bfloat16, moe_aux_loss_coeff=1e-2, moe_router_dtype="fp32",
+                moe_token_dispatcher_type="alltoall", hidden_dropout=0.0, attention_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _layer(grouped, **kw):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = _config(moe_grouped_gemm=grouped, **kw)
+    return build_module(get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=grouped), config=config)
+
+
+def test_grouped_and_sequential_moe_layers_agree_in_bf16_on_cuda():
+    from tests.parity.test_moe_parity import assemble, global_pieces, load_global
+
+    torch.manual_seed(0)
+    sequential = _layer(False).cuda()
+    grouped = _layer(True).cuda()
+    load_global(grouped, assemble([global_pieces(sequential)]))
+    x = torch.randn(64, 4, 256, device="cuda", dtype=torch.bfloat16)
+    outputs = []
+    for layer in (sequential, grouped):
+        xi = x.clone().requires_grad_()
+        out, _ = layer(xi)
+        out.float().square().sum().backward()
+        outputs.append((out.float(), xi.grad.float()))
+    for got, want in zip(*outputs):
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("dispatcher,max_syncs", [("alltoall", 0), ("allgather", 1)])
+def test_moe_layer_host_synchronisations(dispatcher, max_syncs):
+    layer = _layer(True, moe_token_dispatcher_type=dispatcher).cuda()
+    x = torch.randn(64, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x)[0].sum().backward()  # warm-up (probes, allocations)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(x)[0].sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    print(dispatcher, len(syncs), "implicit host synchronisations:", syncs[:3])
+    assert len(syncs) <= max_syncs, syncs
