@@ -17,7 +17,12 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
-from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+from megatron.core.rerun_state_machine import (
+    RerunDiagnostic,
+    RerunErrorInjector,
+    RerunMode,
+    initialize_rerun_state_machine,
+)
 from megatron.training import arguments as arguments_mod
 from megatron.training.checkpointing import load_args_from_checkpoint
 from megatron.training.global_vars import get_args, set_global_variables
@@ -65,10 +70,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     args = _parse_and_validate(extra_args_provider, args_defaults, ignore_unknown_args, parsed_args)
     set_global_variables(args)
     setup_logging(getattr(args, "logging_level", None))
-    initialize_rerun_state_machine(
-        mode=RerunMode(getattr(args, "rerun_mode", "disabled") or "disabled"),
-        result_rejected_tracker_filename=getattr(args, "result_rejected_tracker_filename", None),
-    )
+    _initialize_rerun_state_machine(args)
     if skip_mpu_initialization:
         return None
 
@@ -84,6 +86,31 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         return finish_mpu_init
     finish_mpu_init()
     return None
+
+
+def _save_rng_tracker_state():
+    """Extra state a re-run of the iteration restores: the model-parallel RNG tracker's states."""
+    return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _restore_rng_tracker_state(state_dict):
+    if state_dict["rng_tracker_states"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state_dict["rng_tracker_states"])
+
+
+def _initialize_rerun_state_machine(args) -> None:
+    """The rerun state machine of `--rerun-mode`, injecting errors per `--error-injection-rate/-type` and
+    appending rejections to `--result-rejected-tracker-filename` (Megatron's wiring)."""
+    initialize_rerun_state_machine(
+        state_save_func=_save_rng_tracker_state,
+        state_restore_func=_restore_rng_tracker_state,
+        mode=RerunMode(getattr(args, "rerun_mode", "disabled") or "disabled"),
+        error_injector=RerunErrorInjector(
+            error_injection_rate=getattr(args, "error_injection_rate", 0) or 0,
+            error_injection_type=RerunDiagnostic(getattr(args, "error_injection_type", "transient_error")),
+        ),
+        result_rejected_tracker_filename=getattr(args, "result_rejected_tracker_filename", None),
+    )
 
 
 def _free_port() -> int:

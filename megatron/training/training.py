@@ -25,7 +25,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.deferred_checks import get_deferred_checks
-from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
+from megatron.core.rerun_state_machine import RerunDataIterator, RerunStateMachine, get_rerun_state_machine
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import arguments as arguments_mod
@@ -513,6 +513,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         chunk.train()
     state = _TrainLoopState(args)
     get_rerun_state_machine().current_iteration = state.iteration
+    if args.result_rejected_tracker_filename is not None:
+        args.iterations_to_skip = list(args.iterations_to_skip or []) + \
+            RerunStateMachine.get_skipped_iterations_from_tracker_file(args.result_rejected_tracker_filename)
     _configure_grad_sync(config, model, optimizer, args)
     deferred_checks = get_deferred_checks()
     deferred_checks.enabled = _device().type == "cuda"
