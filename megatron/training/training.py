@@ -40,6 +40,7 @@ from megatron.training.global_vars import get_wandb_writer
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
 from megatron.training.train_step import TrainStepResult, train_step
 from megatron.training.training_hooks import TrainingHooks
+from megatron.training.training_monitors import TrainingMonitors
 from megatron.training.training_log import num_floating_point_operations, training_log, write_args_to_tensorboard
 from megatron.training.utils import (
     append_to_progress_log,
@@ -527,6 +528,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         state.param_sync_func, config.param_sync_func = config.param_sync_func, None
     should_exit, exit_code = False, 0
     hooks = TrainingHooks(args, torch.distributed.get_rank())
+    monitors = TrainingMonitors(args, model)
     while state.iteration < args.train_iters:
         hooks.before_step(state.iteration)
         maybe_finalize_async_save(blocking=False)
@@ -547,12 +549,16 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         _after_first_step(state, args, model, config, result)
         state.iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
-        state.flops_so_far += _advance_counters(args, batch_size)
+        flops = _advance_counters(args, batch_size)
+        state.flops_so_far += flops
         _log_iteration(state, args, model, optimizer, result)
+        monitors.after_iteration(state.iteration, flops)
         if args.eval_interval and state.iteration % args.eval_interval == 0 and args.do_valid:
             hooks.around_eval()
+            monitors.pause()
             _run_periodic_eval(state, args, forward_step_func, valid_data_iterator, model,
                                process_non_loss_data_func, config, non_loss_data_func)
+            monitors.resume()
             hooks.around_eval()
         hooks.after_step(state.iteration)
         if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, state.iteration, state.flops_so_far,
@@ -560,6 +566,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             should_exit = True
             break
     hooks.close()
+    monitors.finish()
     deferred_checks.flush()
     deferred_checks.enabled = False
     maybe_finalize_async_save(blocking=True)
