@@ -5,8 +5,12 @@ loads a checkpoint, builds data iterators that resume at the consumed sample cou
 evaluates. The iteration itself lives in `train_step.py`, the log line and FLOPs in `training_log.py`,
 evaluation in `evaluation.py`.
 """
+import argparse
+import copy
+import os
 import sys
 import time
+from datetime import datetime
 
 import torch
 
@@ -307,6 +311,51 @@ def _set_forward_pre_hook(model, enable, param_sync=True):
             chunk.disable_forward_pre_hook(param_sync=param_sync)
 
 
+def enable_forward_pre_hook(model_chunks):
+    """Turn DDP's parameter-gather forward pre-hooks on (--overlap-param-gather) on every model chunk."""
+    _set_forward_pre_hook(model_chunks, enable=True)
+
+
+def disable_forward_pre_hook(model_chunks, param_sync=True):
+    """Turn the pre-hooks off on every model chunk; `param_sync` first finishes the pending parameter gathers."""
+    _set_forward_pre_hook(model_chunks, enable=False, param_sync=param_sync)
+
+
+def preprocess_common_state_dict(common_state_dict):
+    """A copy of a checkpoint's common state for the cross-rank consistency check: args as a dict without the
+    entries that differ between ranks (`rank`, `local_rank`)."""
+    preprocessed = copy.deepcopy(common_state_dict)
+    args = preprocessed["args"]
+    preprocessed["args"] = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args)
+    preprocessed["args"].pop("local_rank", None)
+    preprocessed["args"].pop("rank", None)
+    return preprocessed
+
+
+def get_start_time_from_progress_log():
+    """(start datetime, FLOPs done then) of the earliest "Starting job" line in <save>/progress.txt of the
+    latest run of jobs with this world size; the FLOPs come from the last "Saved checkpoint" line before it."""
+    args = get_args()
+    if args.save is None:
+        raise ValueError("get_start_time_from_progress_log reads <save>/progress.txt: --save is not set.")
+    start_time = start_flops = None
+    latest_flops = 0.0
+    with open(os.path.join(args.save, "progress.txt")) as f:
+        for line in f:
+            tokens = line.strip().split("\t")
+            if tokens[3] == "Saved checkpoint":
+                latest_flops = float(tokens[7].split(": ")[1])
+            if int(tokens[2].split(": ")[1]) != args.world_size:
+                start_time = start_flops = None  # another world size: the search starts again
+                continue
+            if tokens[3] == "Starting job" and start_time is None:
+                start_time, start_flops = tokens[0], latest_flops
+    if start_time is None:
+        raise RuntimeError(f"{os.path.join(args.save, 'progress.txt')} has no 'Starting job' line of a job with "
+                           f"world size {args.world_size} (written with --log-progress)")
+    return datetime.strptime(start_time, "%Y-%m-%d %H:%M:%S"), start_flops
+
+
 def compute_throughputs_and_append_to_progress_log(iteration, num_floating_point_operations_so_far):
     """Append `Saved checkpoint` with job and cumulative throughput to <save>/progress.txt."""
     args = get_args()
@@ -316,10 +365,13 @@ def compute_throughputs_and_append_to_progress_log(iteration, num_floating_point
     elapsed = max(time.time() - start_time, 1e-9)
     job_flops = num_floating_point_operations_so_far - start_flops
     job_throughput = job_flops / (elapsed * 10 ** 12 * args.world_size)
+    first_start, first_flops = get_start_time_from_progress_log()
+    cumulative_elapsed = max((datetime.now() - first_start).total_seconds(), 1e-9)
+    cumulative = (num_floating_point_operations_so_far - first_flops) / (cumulative_elapsed * 10 ** 12 * args.world_size)
     tokens = args.consumed_train_samples * args.seq_length / 1e9
     append_to_progress_log(
         f"Saved checkpoint\tIteration: {iteration}\tJob throughput: {job_throughput:.1f} TFLOP/s/GPU\t"
-        f"Cumulative throughput: {job_throughput:.1f} TFLOP/s/GPU\t"
+        f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
         f"Floating-point operations: {num_floating_point_operations_so_far:.2e}\tTokens (in billions): {tokens:.2f}"
     )
 

@@ -37,6 +37,11 @@ def test_table_is_well_formed():
     assert not bad, f"unknown statuses: {bad[:10]}"
     duplicates = {(m, n) for m, n, _ in rows if sum(1 for r in rows if r[:2] == (m, n)) > 1}
     assert not duplicates, f"rows listed twice: {sorted(duplicates)[:10]}"
+    count = {kind: sum(1 for _, _, s in rows if s.split(":")[0].split(" ")[0] == kind)
+             for kind in ("alias", "here", "later", "missing")}
+    totals = (f"Totals: alias {count['alias']}, here {count['here']}, later {count['later']}, "
+              f"missing {count['missing']} ({len(rows)} names).")
+    assert totals in TABLE.read_text(encoding="utf-8"), f"the Totals line is stale: expected '{totals}'"
 
 
 def test_every_present_name_imports():
