@@ -263,9 +263,10 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
         flags = [0, 0, 0]
     flags = torch.tensor(flags, dtype=torch.long, device=_collective_device())
     torch.distributed.broadcast(flags, 0)
-    args.do_train = getattr(args, "do_train", False) or bool(flags[0].item())
-    args.do_valid = getattr(args, "do_valid", False) or bool(flags[1].item())
-    args.do_test = getattr(args, "do_test", False) or bool(flags[2].item())
+    # ints, as Megatron stores them (its checkpoints hold do_train=1)
+    args.do_train = getattr(args, "do_train", False) or flags[0].item()
+    args.do_valid = getattr(args, "do_valid", False) or flags[1].item()
+    args.do_test = getattr(args, "do_test", False) or flags[2].item()
     return train_dl, valid_dl, test_dl
 
 

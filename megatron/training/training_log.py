@@ -242,7 +242,7 @@ def _format_line(args, total_loss_dict, iteration, elapsed_per_iter, throughput,
 def _energy_per_gpu(args, writer, wandb_writer, iteration, total_iterations, elapsed_per_iter):
     """With --log-energy: (joules per iteration per GPU, watts per GPU) of this log interval (a collective),
     also written as `iter-energy/gpu` and `power/gpu`; else None."""
-    if not args.log_energy:
+    if not getattr(args, "log_energy", False):
         return None
     energy = get_energy_monitor().lap() / max(1, total_iterations) / args.world_size
     power = energy / elapsed_per_iter if elapsed_per_iter > 0 else 0.0

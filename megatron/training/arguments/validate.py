@@ -490,7 +490,7 @@ def _torch_dcp_save_problems(args) -> List[str]:
 
 def _validate_recompute(args) -> List[str]:
     problems = []
-    granularity = "selective" if args.recompute_activations else args.recompute_granularity
+    granularity = "selective" if getattr(args, "recompute_activations", False) else args.recompute_granularity
     if granularity == "full":
         if args.recompute_method is None:
             problems.append("--recompute-granularity full needs --recompute-method (uniform or block).")
@@ -573,7 +573,7 @@ def _validate_cuda_graph(args) -> List[str]:
         (bool(args.hidden_dropout) or bool(args.attention_dropout),
          f"--hidden-dropout ({args.hidden_dropout}) and --attention-dropout ({args.attention_dropout}) must be 0: "
          "the graphs do not advance the dropout RNG; set both to 0 or drop --enable-cuda-graph."),
-        (args.recompute_granularity is not None or args.recompute_activations,
+        (args.recompute_granularity is not None or getattr(args, "recompute_activations", False),
          "activation recompute (--recompute-granularity / --recompute-activations) cannot be graphed yet: drop "
          "one of the two."),
         (bool(args.num_experts), f"--num-experts ({args.num_experts}): MoE layers cannot be graphed."),
