@@ -73,7 +73,7 @@ def _gpu_metrics() -> Tuple[float, float, float, float]:
     for reader in (torch.cuda.temperature, torch.cuda.power_draw, torch.cuda.utilization, torch.cuda.clock_rate):
         try:
             readings.append(float(reader()))
-        except (ModuleNotFoundError, RuntimeError, AttributeError, ValueError):
+        except Exception:  # noqa: BLE001  best effort: pynvml missing, or a reading the GPU does not support
             readings.append(0.0)
     return tuple(readings)
 
