@@ -17,7 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.transformer.spec_utils import import_module
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import StragglerDetector, get_attr_wrapped_model
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import (
@@ -29,6 +29,8 @@ from megatron.training.utils import (
 
 # A loss 10x larger than the largest seen so far counts as a spike (checked with --check-for-spiky-loss).
 SPIKY_LOSS_FACTOR = 10
+
+stimer = StragglerDetector()  # times get_batch and the forward (--log-straggler)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage: Optional[int] = None) -> GPTModel:
@@ -98,10 +100,12 @@ def forward_step(data_iterator, model: GPTModel):
     """Run the model on the next batch; return the per-token loss and the loss function to apply to it."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    with stimer(bdata=True):
+        vp_stage = get_attr_wrapped_model(model, "vp_stage")
+        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    with stimer:
+        output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask, model=model)
 
 

@@ -48,11 +48,13 @@ def _child(fn, rank, world_size, init_file, result_queue, stack_file, timeout, a
                 timeout=timedelta(seconds=timeout),
             )
             result = fn(*args, **kwargs)
+            # Plain pickle bytes, not the queue's pickler: torch's multiprocessing reductions would send tensors as
+            # shared-memory handles that vanish when this rank exits before the parent has read them.
             try:
-                pickle.dumps(result)
+                payload = pickle.dumps(result)
             except Exception:
-                result = repr(result)
-            result_queue.put(("ok", rank, result))
+                payload = pickle.dumps(repr(result))
+            result_queue.put(("ok", rank, payload))
         except BaseException:
             result_queue.put(("error", rank, traceback.format_exc()))
         finally:
@@ -169,7 +171,7 @@ def _collect(procs, result_queue, world_size, timeout):
                     if i not in results and i not in errors:
                         errors[i] = f"process exited with code {procs[i].exitcode} without reporting"
             continue
-        (results if status == "ok" else errors)[rank] = payload
+        (results if status == "ok" else errors)[rank] = pickle.loads(payload) if status == "ok" else payload
     for proc in procs:
         if proc.is_alive() and (errors or time.monotonic() >= deadline):
             proc.terminate()
@@ -182,7 +184,7 @@ def _drain(result_queue, results, errors):
             status, rank, payload = result_queue.get_nowait()
         except queue_mod.Empty:
             return
-        (results if status == "ok" else errors)[rank] = payload
+        (results if status == "ok" else errors)[rank] = pickle.loads(payload) if status == "ok" else payload
 
 
 def _read(path):

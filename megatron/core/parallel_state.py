@@ -21,14 +21,12 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.rank_generator import (
-    RankGenerator,
-    build_rank_generators,
-    check_parallel_sizes,
-    hierarchical_context_parallel_rank_lists,
-    intra_distributed_optimizer_instance_rank_lists,
-    partial_data_parallel_rank_lists,
-)
+from megatron.core.nccl_comm_config import (
+    get_nccl_options, load_nccl_comm_cfgs, mark_high_priority_stream_groups, megatron_group_name)
+from megatron.core.rank_generator import (  # generate_masked_orthogonal_rank_groups: Megatron exports it here
+    RankGenerator, build_rank_generators, check_parallel_sizes, generate_masked_orthogonal_rank_groups,
+    hierarchical_context_parallel_rank_lists, intra_distributed_optimizer_instance_rank_lists,
+    partial_data_parallel_rank_lists)
 
 _GLOO_TWINS = ("dp", "dp_cp", "intra_partial_dp_cp", "expt_dp", "intra_partial_expt_dp")
 
@@ -133,29 +131,40 @@ def default_position_embedding_ranks(pp_ranks: List[int], split_rank: Optional[i
 
 
 class _GroupBuilder:
-    """Creates groups in the same order on every rank and records the ones containing this rank."""
+    """Creates groups in the same order on every rank and records the ones containing this rank. NCCL groups
+    get the options of their entry in `nccl_comm_cfgs` (Megatron's group names, `nccl_comm_config`)."""
 
-    def __init__(self, state: _ParallelState, timeout: timedelta, create_gloo: bool) -> None:
+    def __init__(self, state: _ParallelState, timeout: timedelta, create_gloo: bool,
+                 nccl_comm_cfgs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
         self.state = state
         self.timeout = timeout
         self.create_gloo = create_gloo
+        self.nccl_comm_cfgs = nccl_comm_cfgs or {}
         self.rank = dist.get_rank()
         self.world_is_gloo = dist.get_backend() == "gloo"
         self.cache: Dict[Any, Any] = {}
 
-    def new(self, ranks: List[int], backend: Optional[str] = None, desc: Optional[str] = None):
+    def _nccl_options(self, name: Optional[str], backend: Optional[str]):
+        pg_name = megatron_group_name(name) if name is not None else None
+        if pg_name is None or not (backend == "nccl" or (backend is None and not self.world_is_gloo)):
+            return None
+        return get_nccl_options(pg_name, self.nccl_comm_cfgs)
+
+    def new(self, ranks: List[int], backend: Optional[str] = None, desc: Optional[str] = None,
+            name: Optional[str] = None):
         """A group over `ranks`; in a gloo world, gloo groups with the same ranks are created once."""
         if self.world_is_gloo and backend in (None, "gloo"):
             key = tuple(ranks)
             if key not in self.cache:
                 self.cache[key] = create_group(ranks, timeout=self.timeout, group_desc=desc)
             return self.cache[key]
-        return create_group(ranks, timeout=self.timeout, backend=backend, group_desc=desc)
+        return create_group(ranks, timeout=self.timeout, backend=backend, group_desc=desc,
+                            pg_options=self._nccl_options(name, backend))
 
     def build(self, name: str, rank_lists: List[List[int]], backend: Optional[str] = None) -> None:
         """Create one group per rank list; keep this rank's under `name` (and its gloo twin if wanted)."""
         for ranks in rank_lists:
-            group = self.new(ranks, backend=backend, desc=name.upper())
+            group = self.new(ranks, backend=backend, desc=name.upper(), name=name)
             gloo = None
             if name in _GLOO_TWINS and self.create_gloo:
                 gloo = self.new(ranks, backend="gloo", desc=name.upper() + "_GLOO")
@@ -190,8 +199,9 @@ def initialize_model_parallel(
 ) -> None:
     """Create every model/data-parallel group for the layout; `torch.distributed` must be initialised.
 
-    `use_sharp`, `nccl_communicator_config_path` and `high_priority_stream_groups` only tune NCCL
-    communicators and are accepted for compatibility.
+    `nccl_communicator_config_path` (YAML, see `nccl_comm_config`) and `high_priority_stream_groups` set the
+    NCCL options of the groups; the file is read and checked on every backend. `use_sharp` is accepted for
+    compatibility (SHARP needs NCCL's CollNet on InfiniBand switches).
     """
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group() to have run")
@@ -211,6 +221,8 @@ def initialize_model_parallel(
             f"virtual_pipeline_model_parallel_size ({virtual_pipeline_model_parallel_size}) needs "
             f"pipeline_model_parallel_size > 1 (got {pp}): the interleaved schedule splits a pipeline"
         )
+    nccl_comm_cfgs = load_nccl_comm_cfgs(nccl_communicator_config_path)
+    mark_high_priority_stream_groups(nccl_comm_cfgs, high_priority_stream_groups)
     decoder, expert = build_rank_generators(world_size, tp, pp, cp, ep, etp, order)
     destroy_model_parallel()
     state = _STATE
@@ -219,7 +231,8 @@ def initialize_model_parallel(
         state.virtual_pipeline_world_size = virtual_pipeline_model_parallel_size
     state.pipeline_split_rank = pipeline_model_parallel_split_rank
     state.rank_generators = {"decoder": decoder, "expert": expert}
-    builder = _GroupBuilder(state, timedelta(minutes=distributed_timeout_minutes), create_gloo_process_groups)
+    builder = _GroupBuilder(state, timedelta(minutes=distributed_timeout_minutes), create_gloo_process_groups,
+                            nccl_comm_cfgs)
     _build_data_parallel_groups(builder, decoder, num_distributed_optimizer_instances)
     _build_model_groups(builder, decoder, pipeline_model_parallel_comm_backend, hierarchical_context_parallel_sizes,
                         get_embedding_ranks or default_embedding_ranks,

@@ -41,6 +41,11 @@ LAZY_ATTRIBUTES: Dict[str, Dict[str, str]] = {
             "megatron.core.tensor_parallel.utils:make_tp_sharded_tensor_for_checkpoint",
         "make_sharded_tensor_for_checkpoint": "megatron.core.tensor_parallel.utils:make_sharded_tensor_for_checkpoint",
         "GlobalMemoryBuffer": "megatron.core.parallel_state:GlobalMemoryBuffer",
+        "log_on_each_pipeline_stage": "megatron.core.parallel_logging:log_on_each_pipeline_stage",
+        "check_param_hashes_across_dp_replicas":
+            "megatron.core.distributed.param_hashes:check_param_hashes_across_dp_replicas",
+        "StragglerDetector": "megatron.core.straggler_detector:StragglerDetector",
+        "drain_embedding_wgrad_compute": "megatron.core.tensor_parallel.wgrad_deferral:drain_embedding_wgrad_compute",
     },
     "megatron.core.transformer": {
         "MegatronModule": "megatron.core.transformer.module:MegatronModule",

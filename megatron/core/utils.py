@@ -455,6 +455,19 @@ def nvtx_decorator(message: Optional[str] = None, color: Optional[str] = None):
     return decorate
 
 
+def prepare_input_tensors_for_wgrad_compute(grad_output: torch.Tensor, all_gathered_input: torch.Tensor):
+    """Both operands of a weight-gradient GEMM made contiguous and 2-D: `[s, b, h] -> [s*b, h]` each (2-D
+    operands are returned contiguous as they are)."""
+    grad_output = grad_output.contiguous()
+    all_gathered_input = all_gathered_input.contiguous()
+    if grad_output.dim() == 3:
+        # [s, b, out] -> [s*b, out]; [s, b, in] -> [s*b, in]
+        grad_output = grad_output.view(grad_output.shape[0] * grad_output.shape[1], grad_output.shape[2])
+        all_gathered_input = all_gathered_input.view(
+            all_gathered_input.shape[0] * all_gathered_input.shape[1], all_gathered_input.shape[2])
+    return grad_output, all_gathered_input
+
+
 # Megatron also exposes names from here that live higher in the import graph (`get_pg_size`, ...); they
 # are resolved lazily (PEP 562) from the table in `megatron.core.reexports`.
 def __getattr__(name):

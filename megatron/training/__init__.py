@@ -12,6 +12,7 @@ _LAZY_ATTRS = {
     "get_tensorboard_writer": "megatron.training.global_vars",
     "get_wandb_writer": "megatron.training.global_vars",
     "get_one_logger": "megatron.training.global_vars",
+    "get_adlr_autoresume": "megatron.training.global_vars",
     "initialize_megatron": "megatron.training.initialize",
     "pretrain": "megatron.training.training",
     "get_model": "megatron.training.training",

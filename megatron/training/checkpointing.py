@@ -158,6 +158,33 @@ def get_distributed_optimizer_checkpoint_name(model_checkpoint_name):
     return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
 
 
+def isfile_(filename) -> bool:
+    """Whether `filename` is a file (Megatron's hook for object stores; file systems only here)."""
+    return os.path.isfile(filename)
+
+
+def find_checkpoint_rank_0(checkpoints_path, iteration, release=False):
+    """Rank 0's legacy file in any layout (with/without PP, EP), else a torch_dist iteration directory, or None."""
+    for pipeline_parallel, expert_parallel in ((False, False), (False, True), (True, False), (True, True)):
+        filename = get_checkpoint_name(checkpoints_path, iteration, release, pipeline_parallel=pipeline_parallel,
+                                       tensor_rank=0, pipeline_rank=0, expert_parallel=expert_parallel, expert_rank=0)
+        if isfile_(filename):
+            return filename
+    base = get_checkpoint_name(checkpoints_path, iteration, release, return_base_dir=True)
+    return base if get_checkpoint_format(base) == "torch_dist" else None
+
+
+def get_load_checkpoint_path_by_args(args, load_arg="load"):
+    """The iteration directory `--load` (or `load_arg`) resolves to: the tracker's iteration, or --ckpt-step."""
+    load_dir = getattr(args, load_arg)
+    iteration, release = -1, False
+    if load_dir is not None and isfile_(get_checkpoint_tracker_filename(load_dir)):
+        iteration, release = read_metadata(get_checkpoint_tracker_filename(load_dir))
+    if getattr(args, "ckpt_step", None) is not None:
+        iteration = args.ckpt_step
+    return get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+
+
 def checkpoint_exists(checkpoints_path):
     """True when `checkpoints_path` has a tracker file."""
     if checkpoints_path is None:
@@ -535,12 +562,11 @@ def check_checkpoint_args(checkpoint_args, compare_parallel_sizes=True):
 
 def _rank_zero_checkpoint_file(load_dir, iteration, release):
     """TP/PP/EP rank 0's file, found without parallel state (the layout may differ from the CLI's)."""
-    base = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-    for rank_dir in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):
-        candidate = os.path.join(base, rank_dir, "model_optim_rng.pt")
-        if os.path.isfile(candidate):
-            return candidate
-    return os.path.join(base, "mp_rank_00", "model_optim_rng.pt")
+    found = find_checkpoint_rank_0(load_dir, iteration, release)
+    if found is not None and found.endswith(".pt"):
+        return found
+    return get_checkpoint_name(load_dir, iteration, release, pipeline_parallel=False, tensor_rank=0, pipeline_rank=0,
+                               expert_parallel=False)
 
 
 _CHECKPOINT_MODEL_ARGS = (
@@ -770,4 +796,5 @@ __all__ = [
     "CheckpointType", "checkpoint_type", "save_checkpoint", "load_checkpoint", "load_args_from_checkpoint", "get_checkpoint_name",
     "get_checkpoint_tracker_filename", "read_metadata", "checkpoint_exists", "get_rng_state", "generate_state_dict",
     "maybe_finalize_async_save", "is_empty_async_queue", "maybe_convert_checkpoint_and_exit", "get_checkpoint_format",
+    "isfile_", "find_checkpoint_rank_0", "get_load_checkpoint_path_by_args",
 ]

@@ -8,6 +8,8 @@ import os
 import time
 
 from megatron.core import num_microbatches_calculator
+from megatron.core.config import set_experimental_flag
+from megatron.core.energy_monitor import EnergyMonitor
 from megatron.core.timers import Timers
 from megatron.core.utils import module_available
 from megatron.training.dist_signal_handler import DistributedSignalHandler
@@ -26,25 +28,34 @@ _GLOBAL_SIGNAL_HANDLER = None
 _GLOBAL_TRAIN_START = None
 
 
-def _ensure_initialized(var, name):
+class GlobalVariableError(RuntimeError, AssertionError):
+    """A global read before it was set, or set twice. Megatron asserts there, so code written for it (e.g.
+    `pytest.raises(AssertionError)`) catches this too."""
+
+
+def _ensure_var_is_initialized(var, name):
+    """Raise `GlobalVariableError` when the global `name` (value `var`) has not been set."""
     if var is None:
-        raise RuntimeError(f"{name} is not initialized: call initialize_megatron() (or set_global_variables) first.")
+        raise GlobalVariableError(
+            f"{name} is not initialized: call initialize_megatron() (or set_global_variables) first.")
 
 
-def _ensure_not_initialized(var, name):
+def _ensure_var_is_not_initialized(var, name):
+    """Raise `GlobalVariableError` when the global `name` (value `var`) is already set."""
     if var is not None:
-        raise RuntimeError(f"{name} is already initialized: call destroy_global_vars() before setting it again.")
+        raise GlobalVariableError(
+            f"{name} is already initialized: call destroy_global_vars() (or unset_global_variables) first.")
 
 
 def get_args():
     """The parsed and validated command-line arguments."""
-    _ensure_initialized(_GLOBAL_ARGS, "args")
+    _ensure_var_is_initialized(_GLOBAL_ARGS, "args")
     return _GLOBAL_ARGS
 
 
 def get_tokenizer():
     """The tokenizer built from the args."""
-    _ensure_initialized(_GLOBAL_TOKENIZER, "tokenizer")
+    _ensure_var_is_initialized(_GLOBAL_TOKENIZER, "tokenizer")
     return _GLOBAL_TOKENIZER
 
 
@@ -70,18 +81,19 @@ def get_adlr_autoresume():
 
 def get_timers():
     """The `Timers` of this process."""
-    _ensure_initialized(_GLOBAL_TIMERS, "timers")
+    _ensure_var_is_initialized(_GLOBAL_TIMERS, "timers")
     return _GLOBAL_TIMERS
 
 
 def get_energy_monitor():
-    """GPU energy monitor; not available here, so always None."""
+    """The `EnergyMonitor` (used with --log-energy)."""
+    _ensure_var_is_initialized(_GLOBAL_ENERGY_MONITOR, "energy monitor")
     return _GLOBAL_ENERGY_MONITOR
 
 
 def get_signal_handler():
     """The `DistributedSignalHandler` installed by --exit-signal-handler."""
-    _ensure_initialized(_GLOBAL_SIGNAL_HANDLER, "signal handler")
+    _ensure_var_is_initialized(_GLOBAL_SIGNAL_HANDLER, "signal handler")
     return _GLOBAL_SIGNAL_HANDLER
 
 
@@ -100,7 +112,7 @@ def get_train_start():
 
 def _set_signal_handler(exit_signal=None):
     global _GLOBAL_SIGNAL_HANDLER
-    _ensure_not_initialized(_GLOBAL_SIGNAL_HANDLER, "signal handler")
+    _ensure_var_is_not_initialized(_GLOBAL_SIGNAL_HANDLER, "signal handler")
     handler = DistributedSignalHandler(exit_signal) if exit_signal is not None else DistributedSignalHandler()
     _GLOBAL_SIGNAL_HANDLER = handler.__enter__()
 
@@ -112,10 +124,11 @@ def set_args(args):
 
 
 def set_global_variables(args, build_tokenizer=True):
-    """Set args, the microbatch calculator, tokenizer, writers, timers and the signal handler (in that order)."""
+    """Set args, the microbatch calculator, tokenizer, writers, timers, the energy monitor and the signal handler
+    (in that order); `--enable-experimental` switches on Megatron Core's experimental features."""
     if args is None:
         raise ValueError("set_global_variables needs the parsed args, got None.")
-    _ensure_not_initialized(_GLOBAL_ARGS, "args")
+    _ensure_var_is_not_initialized(_GLOBAL_ARGS, "args")
     set_args(args)
     num_microbatches_calculator.init_num_microbatches_calculator(
         args.rank,
@@ -130,13 +143,28 @@ def set_global_variables(args, build_tokenizer=True):
     _set_tensorboard_writer(args)
     _set_wandb_writer(args)
     _set_timers(args)
+    _set_energy_monitor(args)
+    if getattr(args, "enable_experimental", False):
+        set_experimental_flag(True)
     if getattr(args, "exit_signal_handler", False):
         _set_signal_handler()
 
 
+def unset_global_variables():
+    """Forget every global (including the microbatch calculator) without closing anything, so that another run
+    can set them again in this process (Megatron's helper for several runs in one process)."""
+    global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER
+    global _GLOBAL_ONE_LOGGER, _GLOBAL_ADLR_AUTORESUME, _GLOBAL_TIMERS, _GLOBAL_ENERGY_MONITOR
+    global _GLOBAL_SIGNAL_HANDLER
+    _GLOBAL_ARGS = _GLOBAL_TOKENIZER = _GLOBAL_TENSORBOARD_WRITER = _GLOBAL_WANDB_WRITER = None
+    _GLOBAL_ONE_LOGGER = _GLOBAL_ADLR_AUTORESUME = _GLOBAL_TIMERS = _GLOBAL_ENERGY_MONITOR = None
+    _GLOBAL_SIGNAL_HANDLER = None
+    num_microbatches_calculator.unset_num_microbatches_calculator()
+
+
 def _build_tokenizer(args):
     global _GLOBAL_TOKENIZER
-    _ensure_not_initialized(_GLOBAL_TOKENIZER, "tokenizer")
+    _ensure_var_is_not_initialized(_GLOBAL_TOKENIZER, "tokenizer")
     _GLOBAL_TOKENIZER = build_tokenizer(args)
     return _GLOBAL_TOKENIZER
 
@@ -154,7 +182,7 @@ def _is_last_rank(args) -> bool:
 
 def _set_tensorboard_writer(args):
     global _GLOBAL_TENSORBOARD_WRITER
-    _ensure_not_initialized(_GLOBAL_TENSORBOARD_WRITER, "tensorboard writer")
+    _ensure_var_is_not_initialized(_GLOBAL_TENSORBOARD_WRITER, "tensorboard writer")
     if not getattr(args, "tensorboard_dir", None) or not _is_last_rank(args):
         return
     if not module_available("tensorboard"):
@@ -172,7 +200,7 @@ def _set_tensorboard_writer(args):
 
 def _set_wandb_writer(args):
     global _GLOBAL_WANDB_WRITER
-    _ensure_not_initialized(_GLOBAL_WANDB_WRITER, "wandb writer")
+    _ensure_var_is_not_initialized(_GLOBAL_WANDB_WRITER, "wandb writer")
     if not getattr(args, "wandb_project", "") or not _is_last_rank(args):
         return
     if not args.wandb_exp_name:
@@ -190,12 +218,20 @@ def _set_wandb_writer(args):
 
 def _set_timers(args):
     global _GLOBAL_TIMERS
-    _ensure_not_initialized(_GLOBAL_TIMERS, "timers")
+    _ensure_var_is_not_initialized(_GLOBAL_TIMERS, "timers")
     _GLOBAL_TIMERS = Timers(args.timing_log_level, args.timing_log_option)
 
 
+def _set_energy_monitor(args):
+    """Create the `EnergyMonitor` (it reads NVML only once --log-energy sets it up)."""
+    global _GLOBAL_ENERGY_MONITOR
+    _ensure_var_is_not_initialized(_GLOBAL_ENERGY_MONITOR, "energy monitor")
+    _GLOBAL_ENERGY_MONITOR = EnergyMonitor()
+
+
 def destroy_global_vars():
-    """Reset every global (closing writers and uninstalling the signal handler); tests call this."""
+    """Reset every global (closing writers, uninstalling the signal handler, switching Megatron Core's
+    experimental flag back off); tests call this."""
     global _GLOBAL_ARGS, _GLOBAL_TOKENIZER, _GLOBAL_TENSORBOARD_WRITER, _GLOBAL_WANDB_WRITER
     global _GLOBAL_ONE_LOGGER, _GLOBAL_ADLR_AUTORESUME, _GLOBAL_TIMERS, _GLOBAL_ENERGY_MONITOR
     global _GLOBAL_SIGNAL_HANDLER, _GLOBAL_TRAIN_START
@@ -213,4 +249,5 @@ def destroy_global_vars():
     _GLOBAL_ENERGY_MONITOR = None
     _GLOBAL_SIGNAL_HANDLER = None
     _GLOBAL_TRAIN_START = None
+    set_experimental_flag(False)
     num_microbatches_calculator.destroy_num_microbatches_calculator()

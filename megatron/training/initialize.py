@@ -17,11 +17,18 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
-from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+from megatron.core.rerun_state_machine import (
+    RerunDiagnostic,
+    RerunErrorInjector,
+    RerunMode,
+    initialize_rerun_state_machine,
+)
 from megatron.training import arguments as arguments_mod
 from megatron.training.checkpointing import load_args_from_checkpoint
+from megatron.core.datasets.utils import compile_helpers
 from megatron.training.global_vars import get_args, set_global_variables
 from megatron.training.log_handler import setup_logging
+from megatron.training.training_log import write_args_to_tensorboard as _write_args
 from megatron.training.utils import print_rank_0
 
 logger = logging.getLogger(__name__)
@@ -65,10 +72,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
     args = _parse_and_validate(extra_args_provider, args_defaults, ignore_unknown_args, parsed_args)
     set_global_variables(args)
     setup_logging(getattr(args, "logging_level", None))
-    initialize_rerun_state_machine(
-        mode=RerunMode(getattr(args, "rerun_mode", "disabled") or "disabled"),
-        result_rejected_tracker_filename=getattr(args, "result_rejected_tracker_filename", None),
-    )
+    _initialize_rerun_state_machine(args)
     if skip_mpu_initialization:
         return None
 
@@ -83,7 +87,55 @@ def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unkno
         args.use_cpu_initialization = True
         return finish_mpu_init
     finish_mpu_init()
+    _compile_dependencies()
+    if getattr(args, "tp_comm_overlap", False):
+        _initialize_tp_communicators()
     return None
+
+
+def _compile_dependencies():
+    """Megatron compiles its C++ dataset helpers and loads Apex/TorchScript fused kernels here. The dataset
+    helpers are NumPy and the fused ops PyTorch in this framework (`compile_helpers` is a no-op), so there is
+    nothing to build or load."""
+    compile_helpers()
+
+
+def _initialize_tp_communicators():
+    """Megatron creates Transformer Engine's userbuffers communicators for `--tp-comm-overlap` here. The native
+    overlap (`megatron/core/tensor_parallel/overlap.py`) exchanges its chunks over the TP group itself (copy
+    engines or NCCL/gloo point-to-point), so no communicator is created; `--tp-comm-overlap-cfg` is not read."""
+    logger.info("--tp-comm-overlap: the native pipelines use the tensor-parallel group; no userbuffers "
+                "communicators to create")
+
+
+def write_args_to_tensorboard():
+    """Every argument as a TensorBoard text entry (on the last rank, which holds the writer)."""
+    _write_args(get_args())
+
+
+def _save_rng_tracker_state():
+    """Extra state a re-run of the iteration restores: the model-parallel RNG tracker's states."""
+    return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _restore_rng_tracker_state(state_dict):
+    if state_dict["rng_tracker_states"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state_dict["rng_tracker_states"])
+
+
+def _initialize_rerun_state_machine(args) -> None:
+    """The rerun state machine of `--rerun-mode`, injecting errors per `--error-injection-rate/-type` and
+    appending rejections to `--result-rejected-tracker-filename` (Megatron's wiring)."""
+    initialize_rerun_state_machine(
+        state_save_func=_save_rng_tracker_state,
+        state_restore_func=_restore_rng_tracker_state,
+        mode=RerunMode(getattr(args, "rerun_mode", "disabled") or "disabled"),
+        error_injector=RerunErrorInjector(
+            error_injection_rate=getattr(args, "error_injection_rate", 0) or 0,
+            error_injection_type=RerunDiagnostic(getattr(args, "error_injection_type", "transient_error")),
+        ),
+        result_rejected_tracker_filename=getattr(args, "result_rejected_tracker_filename", None),
+    )
 
 
 def _free_port() -> int:
@@ -191,6 +243,14 @@ def _set_random_seed(seed_, data_parallel_random_init=False, te_rng_tracker=Fals
 
 
 def set_jit_fusion_options():
-    """Megatron warms up TorchScript fusions here; the fused ops here are plain PyTorch, so nothing to do."""
+    """Megatron sets TorchScript fuser options and warms its fusions up here; the fused ops here are plain
+    PyTorch (compiled per input signature on first use), so there are no options to set."""
+    _warmup_jit_function()
+
+
+def _warmup_jit_function():
+    """Megatron runs its TorchScript fusions (bias-GeLU/SwiGLU, bias-dropout-add) a few times so that they are
+    compiled before training. The fused ops here compile per input signature when first called with it, inside
+    training, so warming them up with other shapes would only add compilations: nothing to run."""
     return None
 

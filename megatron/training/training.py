@@ -5,8 +5,12 @@ loads a checkpoint, builds data iterators that resume at the consumed sample cou
 evaluates. The iteration itself lives in `train_step.py`, the log line and FLOPs in `training_log.py`,
 evaluation in `evaluation.py`.
 """
+import argparse
+import copy
+import os
 import sys
 import time
+from datetime import datetime
 
 import torch
 
@@ -27,7 +31,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.deferred_checks import get_deferred_checks
-from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
+from megatron.core.rerun_state_machine import RerunDataIterator, RerunStateMachine, get_rerun_state_machine
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import arguments as arguments_mod
@@ -42,6 +46,7 @@ from megatron.training.global_vars import get_wandb_writer
 from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
 from megatron.training.train_step import TrainStepResult, train_step
 from megatron.training.training_hooks import TrainingHooks
+from megatron.training.training_monitors import TrainingMonitors
 from megatron.training.training_log import num_floating_point_operations, training_log, write_args_to_tensorboard
 from megatron.training.utils import (
     append_to_progress_log,
@@ -275,9 +280,10 @@ def build_train_valid_test_data_loaders(build_train_valid_test_datasets_provider
         flags = [0, 0, 0]
     flags = torch.tensor(flags, dtype=torch.long, device=_collective_device())
     torch.distributed.broadcast(flags, 0)
-    args.do_train = getattr(args, "do_train", False) or bool(flags[0].item())
-    args.do_valid = getattr(args, "do_valid", False) or bool(flags[1].item())
-    args.do_test = getattr(args, "do_test", False) or bool(flags[2].item())
+    # ints, as Megatron stores them (its checkpoints hold do_train=1)
+    args.do_train = getattr(args, "do_train", False) or flags[0].item()
+    args.do_valid = getattr(args, "do_valid", False) or flags[1].item()
+    args.do_test = getattr(args, "do_test", False) or flags[2].item()
     return train_dl, valid_dl, test_dl
 
 
@@ -323,6 +329,51 @@ def _set_forward_pre_hook(model, enable, param_sync=True):
             chunk.disable_forward_pre_hook(param_sync=param_sync)
 
 
+def enable_forward_pre_hook(model_chunks):
+    """Turn DDP's parameter-gather forward pre-hooks on (--overlap-param-gather) on every model chunk."""
+    _set_forward_pre_hook(model_chunks, enable=True)
+
+
+def disable_forward_pre_hook(model_chunks, param_sync=True):
+    """Turn the pre-hooks off on every model chunk; `param_sync` first finishes the pending parameter gathers."""
+    _set_forward_pre_hook(model_chunks, enable=False, param_sync=param_sync)
+
+
+def preprocess_common_state_dict(common_state_dict):
+    """A copy of a checkpoint's common state for the cross-rank consistency check: args as a dict without the
+    entries that differ between ranks (`rank`, `local_rank`)."""
+    preprocessed = copy.deepcopy(common_state_dict)
+    args = preprocessed["args"]
+    preprocessed["args"] = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args)
+    preprocessed["args"].pop("local_rank", None)
+    preprocessed["args"].pop("rank", None)
+    return preprocessed
+
+
+def get_start_time_from_progress_log():
+    """(start datetime, FLOPs done then) of the earliest "Starting job" line in <save>/progress.txt of the
+    latest run of jobs with this world size; the FLOPs come from the last "Saved checkpoint" line before it."""
+    args = get_args()
+    if args.save is None:
+        raise ValueError("get_start_time_from_progress_log reads <save>/progress.txt: --save is not set.")
+    start_time = start_flops = None
+    latest_flops = 0.0
+    with open(os.path.join(args.save, "progress.txt")) as f:
+        for line in f:
+            tokens = line.strip().split("\t")
+            if tokens[3] == "Saved checkpoint":
+                latest_flops = float(tokens[7].split(": ")[1])
+            if int(tokens[2].split(": ")[1]) != args.world_size:
+                start_time = start_flops = None  # another world size: the search starts again
+                continue
+            if tokens[3] == "Starting job" and start_time is None:
+                start_time, start_flops = tokens[0], latest_flops
+    if start_time is None:
+        raise RuntimeError(f"{os.path.join(args.save, 'progress.txt')} has no 'Starting job' line of a job with "
+                           f"world size {args.world_size} (written with --log-progress)")
+    return datetime.strptime(start_time, "%Y-%m-%d %H:%M:%S"), start_flops
+
+
 def compute_throughputs_and_append_to_progress_log(iteration, num_floating_point_operations_so_far):
     """Append `Saved checkpoint` with job and cumulative throughput to <save>/progress.txt."""
     args = get_args()
@@ -332,10 +383,13 @@ def compute_throughputs_and_append_to_progress_log(iteration, num_floating_point
     elapsed = max(time.time() - start_time, 1e-9)
     job_flops = num_floating_point_operations_so_far - start_flops
     job_throughput = job_flops / (elapsed * 10 ** 12 * args.world_size)
+    first_start, first_flops = get_start_time_from_progress_log()
+    cumulative_elapsed = max((datetime.now() - first_start).total_seconds(), 1e-9)
+    cumulative = (num_floating_point_operations_so_far - first_flops) / (cumulative_elapsed * 10 ** 12 * args.world_size)
     tokens = args.consumed_train_samples * args.seq_length / 1e9
     append_to_progress_log(
         f"Saved checkpoint\tIteration: {iteration}\tJob throughput: {job_throughput:.1f} TFLOP/s/GPU\t"
-        f"Cumulative throughput: {job_throughput:.1f} TFLOP/s/GPU\t"
+        f"Cumulative throughput: {cumulative:.1f} TFLOP/s/GPU\t"
         f"Floating-point operations: {num_floating_point_operations_so_far:.2e}\tTokens (in billions): {tokens:.2f}"
     )
 
@@ -530,6 +584,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         chunk.train()
     state = _TrainLoopState(args)
     get_rerun_state_machine().current_iteration = state.iteration
+    if args.result_rejected_tracker_filename is not None:
+        args.iterations_to_skip = list(args.iterations_to_skip or []) + \
+            RerunStateMachine.get_skipped_iterations_from_tracker_file(args.result_rejected_tracker_filename)
     _configure_grad_sync(config, model, optimizer, args)
     deferred_checks = get_deferred_checks()
     deferred_checks.enabled = _device().type == "cuda"
@@ -541,6 +598,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         state.param_sync_func, config.param_sync_func = config.param_sync_func, None
     should_exit, exit_code = False, 0
     hooks = TrainingHooks(args, torch.distributed.get_rank())
+    monitors = TrainingMonitors(args, model)
     while state.iteration < args.train_iters:
         hooks.before_step(state.iteration)
         maybe_finalize_async_save(blocking=False)
@@ -561,12 +619,16 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         _after_first_step(state, args, model, config, result)
         state.iteration += 1
         batch_size = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
-        state.flops_so_far += _advance_counters(args, batch_size)
+        flops = _advance_counters(args, batch_size)
+        state.flops_so_far += flops
         _log_iteration(state, args, model, optimizer, result)
+        monitors.after_iteration(state.iteration, flops)
         if args.eval_interval and state.iteration % args.eval_interval == 0 and args.do_valid:
             hooks.around_eval()
+            monitors.pause()
             _run_periodic_eval(state, args, forward_step_func, valid_data_iterator, model,
                                process_non_loss_data_func, config, non_loss_data_func)
+            monitors.resume()
             hooks.around_eval()
         hooks.after_step(state.iteration)
         if checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, state.iteration, state.flops_so_far,
@@ -574,6 +636,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             should_exit = True
             break
     hooks.close()
+    monitors.finish()
     deferred_checks.flush()
     deferred_checks.enabled = False
     maybe_finalize_async_save(blocking=True)

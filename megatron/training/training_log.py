@@ -12,7 +12,8 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
-from megatron.training.global_vars import get_args, get_tensorboard_writer, get_timers, get_wandb_writer
+from megatron.training.global_vars import (
+    get_args, get_energy_monitor, get_tensorboard_writer, get_timers, get_wandb_writer)
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
 from megatron.training.train_step import reduce_max_stat_across_model_parallel_group, stat_to_host
 from megatron.training.utils import is_rank0, print_rank_last, report_memory
@@ -203,7 +204,7 @@ def _write_scalars(args, writer, wandb_writer, loss_dict, learning_rate, decoupl
 
 
 def _format_line(args, total_loss_dict, iteration, elapsed_per_iter, throughput, learning_rate, decoupled_lr,
-                 batch_size, loss_scale, grad_norm, num_zeros_in_grad, params_norm):
+                 batch_size, loss_scale, grad_norm, num_zeros_in_grad, params_norm, energy=None):
     line = f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
     line += " iteration {:8d}/{:8d} |".format(iteration, args.train_iters)
     line += " consumed samples: {:12d} |".format(args.consumed_train_samples)
@@ -212,6 +213,8 @@ def _format_line(args, total_loss_dict, iteration, elapsed_per_iter, throughput,
     line += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_per_iter * 1000.0)
     if args.log_throughput:
         line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
+    if energy is not None:
+        line += f" energy per GPU (J/iter/GPU): {energy[0]:.1f} | power per GPU (W/GPU): {energy[1]:.1f} |"
     line += f" learning rate: {learning_rate:.6E} |"
     if args.decoupled_lr is not None and decoupled_lr is not None:
         line += f" decoupled learning rate: {decoupled_lr:.6E} |"
@@ -234,6 +237,21 @@ def _format_line(args, total_loss_dict, iteration, elapsed_per_iter, throughput,
     line += " number of skipped iterations: {:3d} |".format(total_loss_dict[SKIPPED_ITERS_KEY])
     line += " number of nan iterations: {:3d} |".format(total_loss_dict[NAN_ITERS_KEY])
     return line
+
+
+def _energy_per_gpu(args, writer, wandb_writer, iteration, total_iterations, elapsed_per_iter):
+    """With --log-energy: (joules per iteration per GPU, watts per GPU) of this log interval (a collective),
+    also written as `iter-energy/gpu` and `power/gpu`; else None."""
+    if not getattr(args, "log_energy", False):
+        return None
+    energy = get_energy_monitor().lap() / max(1, total_iterations) / args.world_size
+    power = energy / elapsed_per_iter if elapsed_per_iter > 0 else 0.0
+    for name, value in (("iter-energy/gpu", energy), ("power/gpu", power)):
+        if writer:
+            writer.add_scalar(name, value, iteration)
+        if wandb_writer:
+            wandb_writer.log({name: value}, iteration)
+    return energy, power
 
 
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, iteration, loss_scale,
@@ -267,10 +285,12 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
                 writer.add_scalar("throughput", throughput, iteration)
         if wandb_writer:
             wandb_writer.log({"iteration-time": elapsed_per_iter}, iteration)
+    energy = _energy_per_gpu(args, writer, wandb_writer, iteration, total_iterations, elapsed_per_iter)
     if not (mpu.is_pipeline_first_stage(ignore_virtual=True) or mpu.is_pipeline_last_stage(ignore_virtual=True)):
         decoupled_learning_rate = None
     line = _format_line(args, total_loss_dict, iteration, elapsed_per_iter, throughput, learning_rate,
-                        decoupled_learning_rate, batch_size, loss_scale, grad_norm, num_zeros_in_grad, params_norm)
+                        decoupled_learning_rate, batch_size, loss_scale, grad_norm, num_zeros_in_grad, params_norm,
+                        energy)
     for key in _COUNTER_KEYS:
         total_loss_dict[key] = 0
     print_rank_last(line)

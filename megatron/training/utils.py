@@ -16,6 +16,10 @@ from megatron.core import parallel_state as mpu
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.utils import unwrap_model as _unwrap_model
 from megatron.training.global_vars import get_args
+from megatron.training.train_step import (  # noqa: F401  Megatron's names in this module
+    logical_and_across_model_parallel_group,
+    reduce_max_stat_across_model_parallel_group,
+)
 
 
 def _dist_ready() -> bool:
@@ -314,3 +318,43 @@ def get_blend_and_blend_per_split(args):
                 get_blend_from_list(args.test_data_path),
             ]
     return blend, blend_per_split
+
+
+def print_params_min_max_norm(optimizer, iteration: int) -> None:
+    """Print one line per parameter of `optimizer.optimizer`'s groups: iteration, rank, index, whether it is
+    tensor-parallel, its min, max and L2 norm (Megatron's debugging table)."""
+    rank = torch.distributed.get_rank() if _dist_ready() else 0
+    lines = ["iteration, rank, index, tensor-model-parallel, min, max, norm\n"]
+    index = 0
+    for param_group in optimizer.optimizer.param_groups:
+        for param in param_group["params"]:
+            index += 1
+            lines.append("{:7d}, {:4d}, {:4d}, {:2d}, ".format(
+                iteration, rank, index, int(getattr(param, "tensor_model_parallel", False))))
+            lines.append("{:.6E}, {:.6E}, {:.6E}\n".format(
+                param.data.min(), param.data.max(), torch.linalg.norm(param.data)))
+    print("".join(lines), flush=True)
+
+
+def update_use_dist_ckpt(args) -> None:
+    """`args.use_dist_ckpt`: every --ckpt-format but the legacy `torch` is a distributed checkpoint."""
+    args.use_dist_ckpt = args.ckpt_format != "torch"
+
+
+def to_empty_if_meta_device(module: torch.nn.Module, *, device: torch.device, recurse: bool = True):
+    """Move `module`'s parameters and buffers to `device`, materialising (uninitialised, as `empty_like`) only
+    the ones on the meta device: unlike `Module.to_empty`, buffers that already hold values keep them."""
+
+    def _empty_like_if_meta(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == torch.device("meta"):
+            return torch.empty_like(tensor, device=device)
+        return tensor.to(device)
+
+    return module._apply(_empty_like_if_meta, recurse=recurse)
+
+
+def get_device_arch_version() -> int:
+    """The major compute capability of GPU 0 (8: Ampere, 9: Hopper, 10: Blackwell, ...)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("get_device_arch_version needs a CUDA device (none is available)")
+    return torch.cuda.get_device_properties(torch.device("cuda:0")).major

@@ -2,15 +2,18 @@
 
 The byte layout, validation and the writer live in `_indexed_format` (torch-free) and are re-exported
 here under Megatron's names: `DType`, `IndexedDatasetBuilder`, `get_idx_path`, `get_bin_path`.
+`_IndexWriter` is Megatron's streaming `.idx` writer (a context manager); it writes the bytes the builder writes.
 """
 import os
-from typing import Optional, Tuple, Union
+import struct
+from typing import List, Optional, Tuple, Type, Union
 
 import numpy
 import torch
 
 from megatron.core.datasets._indexed_format import (  # noqa: F401
     _INDEX_HEADER,
+    _INDEX_VERSION,
     DType,
     IndexedDatasetBuilder,
     _FileBinReader,
@@ -22,6 +25,52 @@ from megatron.core.datasets._indexed_format import (  # noqa: F401
 )
 
 __all__ = ["DType", "IndexedDataset", "IndexedDatasetBuilder", "get_idx_path", "get_bin_path"]
+
+
+class _IndexWriter:
+    """Writes an `.idx` file: the header on `__enter__`, the arrays in `write`, closed on `__exit__`.
+
+    Args:
+        idx_path: where to write.
+        dtype: the numpy dtype of the tokens in the matching `.bin` (sets the pointers' byte stride).
+    """
+
+    def __init__(self, idx_path: str, dtype: Type[numpy.number]) -> None:
+        self.idx_path = idx_path
+        self.dtype = dtype
+        self.idx_writer = None
+
+    def __enter__(self) -> "_IndexWriter":
+        self.idx_writer = open(self.idx_path, "wb")
+        self.idx_writer.write(_INDEX_HEADER)
+        self.idx_writer.write(struct.pack("<Q", _INDEX_VERSION))
+        self.idx_writer.write(struct.pack("<B", DType.code_from_dtype(self.dtype)))
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb) -> Optional[bool]:
+        self.idx_writer.close()
+        return None
+
+    def write(self, sequence_lengths: List[int], sequence_modes: Optional[List[int]],
+              document_indices: List[int]) -> None:
+        """Counts, then int32 lengths, int64 byte pointers, int64 document indices and (multimodal) int8 modes."""
+        self.idx_writer.write(struct.pack("<Q", len(sequence_lengths)))
+        self.idx_writer.write(struct.pack("<Q", len(document_indices)))
+        self.idx_writer.write(numpy.asarray(sequence_lengths, dtype=numpy.int32).tobytes(order="C"))
+        pointers = numpy.asarray(self._sequence_pointers(sequence_lengths), dtype=numpy.int64)
+        self.idx_writer.write(pointers.tobytes(order="C"))
+        self.idx_writer.write(numpy.asarray(document_indices, dtype=numpy.int64).tobytes(order="C"))
+        if sequence_modes is not None:
+            self.idx_writer.write(numpy.asarray(sequence_modes, dtype=numpy.int8).tobytes(order="C"))
+
+    def _sequence_pointers(self, sequence_lengths: List[int]) -> List[int]:
+        """Byte offset of every sequence in the `.bin`: running sum of the previous lengths times the item size."""
+        itemsize = DType.size(self.dtype)
+        pointers, current = [], 0
+        for length in sequence_lengths:
+            pointers.append(current)
+            current += int(length) * itemsize
+        return pointers
 
 
 class IndexedDataset(torch.utils.data.Dataset):

@@ -1,5 +1,6 @@
 """Helpers over nested dicts and lists (state dicts): map, filter, merge, compare."""
-from typing import Any, Callable, Dict, Iterator, List, Tuple, Union
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, Union
 
 import torch
 
@@ -139,3 +140,13 @@ def diff(x1: Any, x2: Any, prefix: Tuple = ()) -> Tuple[list, list, list]:
         if not equal:
             mismatch.append((prefix, type(x1), type(x2)))
     return only_left, only_right, mismatch
+
+
+def map_reduce(xs: Iterable, key_fn: Callable = lambda x: x, value_fn: Callable = lambda x: x,
+               reduce_fn: Callable = lambda x: x) -> dict:
+    """Group `value_fn(x)` of every `x` in `xs` by `key_fn(x)` (first-seen key order, values in input order),
+    then replace each group's list by `reduce_fn(list)` (the `more_itertools.map_reduce` interface)."""
+    groups: Dict[Any, List[Any]] = defaultdict(list)
+    for x in xs:
+        groups[key_fn(x)].append(value_fn(x))
+    return {key: reduce_fn(values) for key, values in groups.items()}

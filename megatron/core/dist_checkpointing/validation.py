@@ -1,12 +1,17 @@
 """Checks around a save or load: `StrictHandling` of key mismatches and the integrity of a sharding
-(every global tensor covered exactly once by main replicas, consistent shapes and dtypes)."""
+(every global tensor covered exactly once by main replicas, consistent shapes and dtypes).
+
+Naming note (Megatron's): in `validate_integrity_and_strict_load` a *missing* key is stored in the checkpoint
+but requested by no rank, an *unexpected* key is requested by this rank but absent from the checkpoint.
+"""
 import logging
 from collections import defaultdict
 from enum import Enum
-from typing import Dict, Iterable, List, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
 from megatron.core.dist_checkpointing.mapping import (
     CheckpointingException,
     ShardedBase,
@@ -14,6 +19,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     is_main_replica,
 )
+from megatron.core.dist_checkpointing.strategies._collectives import all_gather_object
 
 logger = logging.getLogger(__name__)
 
@@ -148,3 +154,88 @@ def validate_sharding_integrity(global_metadata: Iterable[Iterable[ShardedBase]]
             _validate_tensor_shards(key, shards)
         elif kind is ShardedObject:
             _validate_object_shards(key, shards)
+
+
+def determine_global_metadata(sharded_state_dict) -> Tuple[List[ShardedBase], List[List[ShardedBase]]]:
+    """(this rank's data-less sharded items, every rank's), exchanged with an all-gather (collective)."""
+    local_metadata = [sharded.without_data() for sharded in nested_values(sharded_state_dict)
+                      if isinstance(sharded, ShardedBase)]
+    return local_metadata, all_gather_object(local_metadata)
+
+
+def _determine_missing_and_unexpected_keys(ckpt_sharded_metadata: Dict[str, Any], local_metadata,
+                                           global_metadata=None) -> Tuple[Set[str], Set[str]]:
+    """(missing, unexpected) keys, see the module note; missing ones only when `global_metadata` is given."""
+    stored = {sharded.key for sharded in ckpt_sharded_metadata.values()}
+    unexpected = {sharded.key for sharded in local_metadata} - stored
+    missing: Set[str] = set()
+    if global_metadata is not None:
+        missing = stored - {sharded.key for rank_metadata in global_metadata for sharded in rank_metadata}
+    return missing, unexpected
+
+
+def adjust_non_strict_load(sharded_state_dict, sharded_keys_to_remove: Set[str]):
+    """`sharded_state_dict` without the sharded items whose key is in `sharded_keys_to_remove`."""
+    if not sharded_keys_to_remove:
+        return sharded_state_dict
+    kept, _ = extract_matching_values(
+        sharded_state_dict, lambda v: not (isinstance(v, ShardedBase) and v.key in sharded_keys_to_remove))
+    return kept
+
+
+def maybe_report_missing_and_unexpected_keys(missing_keys: Set[str], unexpected_keys: Set[str],
+                                             raise_error: bool = True) -> None:
+    """Raise (CheckpointingException) or log a warning about the keys, when there are any."""
+    if not missing_keys and not unexpected_keys:
+        return
+    parts = []
+    if unexpected_keys:
+        parts.append(f"keys requested but not in the checkpoint (unexpected): {sorted(unexpected_keys)}")
+    if missing_keys:
+        parts.append(f"keys in the checkpoint but not requested (missing): {sorted(missing_keys)}")
+    message = "; ".join(parts)
+    if raise_error:
+        raise CheckpointingException(message)
+    logger.warning(message)
+
+
+_SKIP_MISSING = (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.LOG_UNEXPECTED,
+                 StrictHandling.RAISE_UNEXPECTED, StrictHandling.RETURN_UNEXPECTED)
+
+
+def validate_integrity_and_strict_load(sharded_state_dict, strict: StrictHandling, validate_access_integrity: bool,
+                                       local_metadata: Optional[List[ShardedBase]] = None,
+                                       global_metadata: Optional[List[List[ShardedBase]]] = None,
+                                       ckpt_sharded_metadata: Optional[Dict[str, Any]] = None):
+    """Megatron's pre-load check: returns (state dict without its unexpected keys, missing keys, unexpected keys).
+
+    When `strict` needs a comparison with the checkpoint (every mode but `assume_ok_unexpected`),
+    `ckpt_sharded_metadata` (e.g. `load_sharded_metadata(dir)`) is required: unexpected keys (requested here,
+    not stored) are dropped from the state dict, missing ones (stored, requested by no rank) are computed from
+    `global_metadata` for the `*_all` modes only; then the keys are raised about (`raise_*`), logged (`log_*`)
+    or cleared (`ignore_all`). `validate_access_integrity` also checks that the ranks' requests together
+    shard every key consistently (`validate_sharding_integrity`; gathers the metadata when not given).
+    """
+    strict = parse_strict_flag(strict)
+    missing_keys: Set[str] = set()
+    unexpected_keys: Set[str] = set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        if ckpt_sharded_metadata is None:
+            raise CheckpointingException("Cannot verify checkpoint mismatch with ckpt_sharded_metadata=None.")
+        if local_metadata is None:
+            local_metadata = [sharded.without_data() for sharded in nested_values(sharded_state_dict)
+                              if isinstance(sharded, ShardedBase)]
+        missing_keys, unexpected_keys = _determine_missing_and_unexpected_keys(
+            ckpt_sharded_metadata, local_metadata, None if strict in _SKIP_MISSING else global_metadata)
+        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected_keys)
+        if strict == StrictHandling.IGNORE_ALL:
+            missing_keys, unexpected_keys = set(), set()
+        elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+            maybe_report_missing_and_unexpected_keys(missing_keys, unexpected_keys, True)
+        elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+            maybe_report_missing_and_unexpected_keys(missing_keys, unexpected_keys, False)
+    if validate_access_integrity:
+        if global_metadata is None:
+            local_metadata, global_metadata = determine_global_metadata(sharded_state_dict)
+        validate_sharding_integrity(global_metadata)
+    return sharded_state_dict, missing_keys, unexpected_keys

@@ -41,6 +41,7 @@ from megatron.core.optimizer.sharded_state import (
     is_sharded_load,
     load_sharded_common,
     mark_for_loading,
+    megatron_param_groups,
     param_state_shards,
     param_to_sharded_map,
     torch_optimizer_sharded_state,
@@ -148,18 +149,26 @@ _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
 
 
 def _load_torch_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
-    """`optimizer.load_state_dict`, also for checkpoints written with Apex/TE FusedAdam.
+    """`optimizer.load_state_dict`, also for checkpoints written with Apex/TE FusedAdam (Adam's `step` per group).
 
-    Those keep Adam's `step` per group and carry no torch implementation flags; the flags this run
-    chose (fused / foreach) are kept when the checkpoint has none.
+    The kernel choices this run made (fused / foreach / capturable) are kept whatever the checkpoint holds:
+    Megatron writes None for them, and adopting that would switch this run's fused AdamW off.
     """
-    saved_groups = state_dict.get("param_groups", [])
-    missing = [[key for key in _IMPLEMENTATION_KEYS if key not in group] for group in saved_groups]
     current = [{key: group.get(key) for key in _IMPLEMENTATION_KEYS} for group in optimizer.param_groups]
     optimizer.load_state_dict(_fill_missing_adam_step(state_dict))
-    for group, keys, flags in zip(optimizer.param_groups, missing, current):
-        for key in keys:
-            group[key] = flags[key]
+    for group, flags in zip(optimizer.param_groups, current):
+        group.update(flags)
+
+
+def _megatron_torch_state(optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+    """`optimizer.state_dict()` with the param groups' kernel choices as Megatron writes them (None)."""
+    if optimizer is None:
+        return {}
+    state_dict = optimizer.state_dict()
+    groups = megatron_param_groups(state_dict["param_groups"])
+    for group, saved in zip(groups, state_dict["param_groups"]):
+        group["params"] = saved["params"]
+    return {**state_dict, "param_groups": groups}
 
 
 class MegatronOptimizer(ABC):
@@ -570,7 +579,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
 
     def state_dict(self) -> Dict[str, Any]:
         """`optimizer`, `grad_scaler` (when present) and `fp32_from_fp16_params` (plain tensors)."""
-        state_dict = {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else {}}
+        state_dict = {"optimizer": _megatron_torch_state(self.optimizer)}
         if self.grad_scaler is not None:
             state_dict["grad_scaler"] = self.grad_scaler.state_dict()
         state_dict["fp32_from_fp16_params"] = [
@@ -655,8 +664,8 @@ class FP32Optimizer(MegatronOptimizer):
         """Model params are the main params: nothing to do."""
 
     def state_dict(self) -> Dict[str, Any]:
-        """The torch optimizer's state dict."""
-        return self.optimizer.state_dict() if self.optimizer is not None else {}
+        """The torch optimizer's state dict (kernel choices written as Megatron does)."""
+        return _megatron_torch_state(self.optimizer)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore the torch optimizer's state (after a distributed load only the common part: the tensors

@@ -43,6 +43,16 @@ SHARDED_LOAD_KEY = "sharded_state_loaded"
 STATE_PREFIX = "optimizer.state"
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "params", "step")
 
+# What Megatron-LM's param groups hold for torch's kernel choices (torch.optim.AdamW's defaults, which it keeps):
+# this run's choice (fused / foreach) is a property of the run, never written, and never read back.
+MEGATRON_KERNEL_FLAGS = {"fused": None, "foreach": None}
+
+
+def megatron_param_groups(groups: List[Dict]) -> List[Dict]:
+    """Copies of `groups` (no params) with the kernel choices as Megatron writes them (`MEGATRON_KERNEL_FLAGS`)."""
+    return [{**{k: copy.deepcopy(v) for k, v in group.items() if k != "params"}, **MEGATRON_KERNEL_FLAGS}
+            for group in groups]
+
 
 def param_to_sharded_map(model_sharded_state_dict: Dict) -> Dict[int, Any]:
     """{id(parameter): its ShardedTensor or ShardedTensorFactory}; main replicas win over copies."""
@@ -290,8 +300,7 @@ def torch_optimizer_sharded_state(optimizer: torch.optim.Optimizer, model_param_
     step = common_step(optimizer)
     if step is not None:
         state["common_step"] = step
-    groups = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": megatron_param_groups(inner["param_groups"])}
 
 
 def mark_for_loading(state: Dict[str, Any]) -> Dict[str, Any]:
@@ -353,6 +362,8 @@ def param_groups_without_params(optimizer: Optional[torch.optim.Optimizer]) -> L
     groups = []
     for group in optimizer.param_groups:
         saved = {k: copy.deepcopy(v) for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+        saved.update(MEGATRON_KERNEL_FLAGS)
+        saved["capturable"] = group.get("capturable", False)
         step = _group_step(optimizer, group)
         if step is not None:
             saved["step"] = step
@@ -389,4 +400,5 @@ __all__ = [
     "param_to_sharded_map", "param_state_shards", "model_space_state_shards", "ensure_state", "state_tensors",
     "common_step", "torch_optimizer_sharded_state", "mark_for_loading", "is_sharded_load",
     "sharded_common_groups_and_step", "load_sharded_common", "param_groups_without_params", "load_param_groups",
+    "megatron_param_groups", "MEGATRON_KERNEL_FLAGS",
 ]

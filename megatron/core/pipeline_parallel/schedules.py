@@ -36,7 +36,8 @@ from megatron.core.pipeline_parallel.step import (
     forward_step_calc_loss,
     set_current_microbatch,
 )
-from megatron.core.utils import get_model_config, get_model_type as _get_model_type
+from megatron.core.tensor_parallel.wgrad_deferral import drain_embedding_wgrad_compute
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, get_model_type as _get_model_type
 
 __all__ = [
     "get_forward_backward_func",
@@ -54,6 +55,8 @@ __all__ = [
     "get_pp_rank_microbatches",
     "forward_step_calc_loss",
     "set_current_microbatch",
+    "clear_embedding_activation_buffer",
+    "finish_embedding_wgrad_compute",
 ]
 
 
@@ -125,8 +128,44 @@ def _single(value, what: str):
     return value
 
 
-def _finalize(config, models, total_num_tokens, forward_only):
+def clear_embedding_activation_buffer(config, model, is_last_stage: Optional[bool] = None):
+    """With `defer_embedding_wgrad_compute` on the last pipeline stage: empty the output layer's kept
+    activations (none may be left from an earlier schedule) and return the module owning the output layer
+    (the last model chunk's); else None. `is_last_stage` defaults to parallel_state's answer."""
+    if is_last_stage is None:
+        is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    if not (is_last_stage and config.defer_embedding_wgrad_compute):
+        return None
+    chunk = model[-1] if isinstance(model, list) else model
+    embedding_module = get_attr_wrapped_model(chunk, "post_process", return_model_obj=True)
+    embedding_module.embedding_activation_buffer.clear()
+    return embedding_module
+
+
+def finish_embedding_wgrad_compute(config, embedding_module, is_last_stage: Optional[bool] = None, tp_group=None):
+    """With `defer_embedding_wgrad_compute` on the last pipeline stage: compute the output layer's deferred
+    weight gradients into its `main_grad` (`drain_embedding_wgrad_compute`), before the grads are finalized."""
+    if is_last_stage is None:
+        is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    if not (is_last_stage and config.defer_embedding_wgrad_compute):
+        return
+    weight = embedding_module.output_layer.weight
+    if weight is None:
+        weight = embedding_module.shared_embedding_or_output_weight()
+    tp_group = tp_group if tp_group is not None else getattr(embedding_module.output_layer, "tp_group", None)
+    drain_embedding_wgrad_compute(config, embedding_module.embedding_activation_buffer,
+                                  embedding_module.grad_output_buffer, weight, tp_group)
+
+
+def _start_embedding_wgrad_deferral(config, model, forward_only):
+    if config.finalize_model_grads_func is None or forward_only:
+        return None
+    return clear_embedding_activation_buffer(config, model)
+
+
+def _finalize(config, models, total_num_tokens, forward_only, embedding_module=None):
     if config.finalize_model_grads_func is not None and not forward_only:
+        finish_embedding_wgrad_compute(config, embedding_module)
         num_tokens = total_num_tokens if getattr(config, "calculate_per_token_loss", False) else None
         config.finalize_model_grads_func(models, num_tokens)
 
@@ -241,8 +280,9 @@ def forward_backward_pipelining_without_interleaving(
     )
     actions = one_f_one_b_schedule(comm.pp_size, comm.pp_rank, num_microbatches, forward_only)
     with _forward_backward_timer(config):
+        embedding_module = _start_embedding_wgrad_deferral(config, model, forward_only)
         store, total_num_tokens = run_schedule(actions, run)
-        _finalize(config, [model], total_num_tokens, forward_only)
+        _finalize(config, [model], total_num_tokens, forward_only, embedding_module)
     return store
 
 
@@ -305,6 +345,7 @@ def forward_backward_pipelining_with_interleaving(
         ),
     )
     with _forward_backward_timer(config):
+        embedding_module = _start_embedding_wgrad_deferral(config, model, forward_only)
         store, total_num_tokens = run_schedule(actions, run)
-        _finalize(config, list(model), total_num_tokens, forward_only)
+        _finalize(config, list(model), total_num_tokens, forward_only, embedding_module)
     return store

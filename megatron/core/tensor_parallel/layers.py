@@ -399,16 +399,55 @@ def _apply_linear_eagerly(*args):
     return LinearWithGradAccumulationAndAsyncCommunication.apply(*args)
 
 
+
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """`y = x W^T + b` for a weight that takes no gradient (Megatron's op for frozen weights).
+
+    Forward and input gradient are the same computation as `LinearWithGradAccumulationAndAsyncCommunication`;
+    the backward only returns the input gradient, all-reduced over `tp_group` when `allreduce_dgrad`
+    (a sequence-parallel caller gathers its input before and gets the reduce-scatter from that gather).
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.tp_group = tp_group
+        output = torch.matmul(input, weight.t())  # [s, b, in] x [in, out] -> [s, b, out]
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)  # [s, b, out] x [out, in] -> [s, b, in]
+        if ctx.allreduce_dgrad:
+            all_reduce_tensor(grad_input, ctx.tp_group)
+        return grad_input, None, None, None, None
+
+
 def linear_with_frozen_weight(
     input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
     grad_output_buffer=None, wgrad_deferral_limit=None, async_grad_allreduce=None, tp_group=None,
     tp_comm_overlap_ag=False, tp_comm_transport="p2p", trace_when_compiled=False,
 ):
-    """Same as `linear_with_grad_accumulation_and_async_allreduce` for a weight with requires_grad=False."""
-    return linear_with_grad_accumulation_and_async_allreduce(
-        input, weight, bias, False, allreduce_dgrad, sequence_parallel, None, 0, async_grad_allreduce, tp_group,
-        tp_comm_overlap_ag, tp_comm_transport, trace_when_compiled,
-    )
+    """The linear of a weight with requires_grad=False (`LinearWithFrozenWeight`); with sequence parallelism
+    the input is all-gathered along the sequence first (its gradient reduce-scattered back).
+
+    `gradient_accumulation_fusion`, `wgrad_deferral_limit` and `tp_comm_overlap_ag` have nothing to act on; a
+    deferred weight-gradient buffer is refused (as in Megatron); `async_grad_allreduce` is the deprecated name
+    of `allreduce_dgrad`.
+    """
+    if grad_output_buffer is not None:
+        raise ValueError("grad_output_buffer must be None for a frozen weight: there is no weight gradient to defer")
+    if async_grad_allreduce is not None:
+        allreduce_dgrad = async_grad_allreduce
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    if sequence_parallel:
+        # [s/tp, b, in] -> [s, b, in]; backward reduce-scatters the input gradient
+        input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad, tp_group)
 
 
 class VocabParallelEmbedding(torch.nn.Module):

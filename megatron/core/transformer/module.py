@@ -39,24 +39,35 @@ class MegatronModule(torch.nn.Module):
                 module.symmetric_ar_type = set_to
 
 
-def _convert(value, source_types, convert):
-    if isinstance(value, (tuple, list)):
-        return type(value)(_convert(v, source_types, convert) for v in value)
-    if isinstance(value, dict):
-        return {k: _convert(v, source_types, convert) for k, v in value.items()}
-    if torch.is_tensor(value) and value.dtype in source_types:
-        return convert(value)
-    return value
+def param_is_not_shared(param) -> bool:
+    """True unless `param` is marked `shared` (a copy of a parameter owned elsewhere, e.g. a tied embedding)."""
+    return not getattr(param, "shared", False)
 
 
-def fp32_to_float16(value, float16_convertor):
-    """Cast every fp32 tensor inside `value` (nested tuples/lists) with `float16_convertor`."""
-    return _convert(value, _FLOAT_TYPES, float16_convertor)
+def conversion_helper(val, conversion):
+    """Apply `conversion` to `val`, recursing into nested tuples and lists (kept as tuples and lists).
+
+    Like Megatron, other containers (dicts, ...) are handed to `conversion` whole, which leaves them alone.
+    """
+    if not isinstance(val, (tuple, list)):
+        return conversion(val)
+    converted = [conversion_helper(v, conversion) for v in val]
+    return tuple(converted) if isinstance(val, tuple) else converted
 
 
-def float16_to_fp32(value):
-    """Cast every fp16/bf16 tensor inside `value` (nested tuples/lists/dicts) to fp32."""
-    return _convert(value, _HALF_TYPES, lambda t: t.float())
+def _data_dtype(val):
+    """The dtype of a tensor (parameters judged by their data), None for anything else."""
+    return val.dtype if torch.is_tensor(val) else None
+
+
+def fp32_to_float16(val, float16_convertor):
+    """Cast every fp32 tensor inside `val` (nested tuples/lists) with `float16_convertor`."""
+    return conversion_helper(val, lambda v: float16_convertor(v) if _data_dtype(v) in _FLOAT_TYPES else v)
+
+
+def float16_to_fp32(val):
+    """Cast every fp16/bf16 tensor inside `val` (nested tuples/lists) to fp32."""
+    return conversion_helper(val, lambda v: v.float() if _data_dtype(v) in _HALF_TYPES else v)
 
 
 class Float16Module(MegatronModule):
@@ -108,4 +119,5 @@ class Float16Module(MegatronModule):
         return self.module.load_state_dict(state_dict, strict=strict)
 
 
-__all__ = ["MegatronModule", "Float16Module", "fp32_to_float16", "float16_to_fp32"]
+__all__ = ["MegatronModule", "Float16Module", "param_is_not_shared", "conversion_helper", "fp32_to_float16",
+           "float16_to_fp32"]

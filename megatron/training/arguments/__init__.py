@@ -10,6 +10,7 @@
 """
 import importlib
 
+from megatron.training.arguments._spec import _check_arg_is_not_none, moe_freq_type, no_rope_freq_type
 from megatron.training.arguments.derive import derive
 from megatron.training.arguments.errors import ArgumentsError, exit_on_arguments_error
 from megatron.training.arguments.parser import (
@@ -32,7 +33,8 @@ _LAZY_ATTRS = {
 __all__ = [
     "ArgumentsError", "exit_on_arguments_error", "parse_args", "_parse", "validate_args", "derive",
     "apply_args_defaults", "build_parser", "add_megatron_arguments", "get_rank_and_world_size",
-    "set_rank_and_world_size", "_print_args", *_LAZY_ATTRS,
+    "set_rank_and_world_size", "_print_args", "moe_freq_type", "no_rope_freq_type", "_check_arg_is_not_none",
+    *_LAZY_ATTRS,
 ]
 
 

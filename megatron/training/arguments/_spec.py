@@ -95,6 +95,12 @@ def no_rope_freq_type(value):
     return _int_or_int_list(value, "--no-rope-freq")
 
 
+def _check_arg_is_not_none(args, arg: str) -> None:
+    """Raise ValueError when `args.<arg>` is None (Megatron's helper for argument checks)."""
+    if getattr(args, arg) is None:
+        raise ValueError(f"--{arg.replace('_', '-')} argument is None: give it a value.")
+
+
 def attention_backend_type(value):
     """`--attention-backend`: the name of an `AttnBackend` member (`flash`, `fused`, `unfused`, `local`, `auto`)."""
     if isinstance(value, AttnBackend):

@@ -44,6 +44,7 @@ def derive(args):
     _derive_precision(args)
     _derive_features(args)
     derive_heterogeneous_config(args)
+    _drop_deprecated(args)
     args.consumed_train_samples = 0
     args.skipped_train_samples = 0
     args.consumed_valid_samples = 0
@@ -51,10 +52,25 @@ def derive(args):
     return args
 
 
+# Flags Megatron-LM still parses but removes from args once checked (validation rejects non-default values).
+DEPRECATED_DESTS = ("batch_size", "warmup", "model_parallel_size", "checkpoint_activations", "recompute_activations")
+
+
+def _drop_deprecated(args) -> None:
+    """Delete the deprecated flags' attributes, as Megatron's validate_args does (so saved args match)."""
+    for name in DEPRECATED_DESTS:
+        if hasattr(args, name):
+            delattr(args, name)
+
+
 def _derive_parallel(args) -> None:
     world = getattr(args, "world_size", 1)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     args.data_parallel_size = world // model_parallel
+    # Megatron's names: the pipeline size of the transformer layers (encoder stages were removed), and whether
+    # microbatches may differ in sequence length (set by scripts that need it; GPT's do not).
+    args.transformer_pipeline_model_parallel_size = args.pipeline_model_parallel_size
+    args.variable_seq_lengths = getattr(args, "variable_seq_lengths", False)
     if args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False
     if args.expert_tensor_parallel_size is None:
@@ -84,7 +100,7 @@ def _derive_shape(args) -> None:
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.num_experts == 0:
         args.num_experts = None
-    if args.moe_ffn_hidden_size is None:
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:  # as Megatron: only for MoE models
         args.moe_ffn_hidden_size = args.ffn_hidden_size
 
 
@@ -124,7 +140,7 @@ def _derive_precision(args) -> None:
 
 
 def _derive_features(args) -> None:
-    if args.recompute_activations:
+    if getattr(args, "recompute_activations", False):
         args.recompute_granularity = "selective"
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"

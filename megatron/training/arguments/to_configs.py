@@ -36,7 +36,6 @@ TRANSFORMER_RENAMES = {
     "output_layer_init_method": "xavier_uniform_ with --init-method-xavier-uniform, else scaled normal",
     "num_query_groups": "num_query_groups only with --group-query-attention, else None",
     "cp_comm_type": "a scalar when exactly one --cp-comm-type is given",
-    "defer_embedding_wgrad_compute": "only with gradient_accumulation_fusion and PP > 1 (the flag has no effect here)",
 }
 
 _HOOK = "a hook the training loop sets on the config (no flag)"
@@ -131,8 +130,6 @@ def _transformer_renames(args) -> Dict[str, Any]:
         "num_layers_in_last_pipeline_stage": args.decoder_last_pipeline_num_layers,
         "fp8_param": args.fp8_param_gather,
         "num_query_groups": args.num_query_groups if args.group_query_attention else None,
-        "defer_embedding_wgrad_compute": (args.defer_embedding_wgrad_compute and args.gradient_accumulation_fusion
-                                          and args.pipeline_model_parallel_size > 1),
     }
     kwargs.update(_activation_kwargs(args))
     if args.init_method_xavier_uniform:

@@ -310,6 +310,24 @@ def _validate_p2p(args) -> List[str]:
             "overlap on: drop it, or add virtual stages and remove --no-overlap-p2p-communication."]
 
 
+def _validate_wgrad_deferral(args) -> List[str]:
+    """--defer-embedding-wgrad-compute: the rules of Megatron's ModelParallelConfig, on the flags as typed."""
+    problems = []
+    if args.defer_embedding_wgrad_compute:
+        if args.pipeline_model_parallel_size <= 1:
+            problems.append(
+                f"--defer-embedding-wgrad-compute defers the output layer's weight gradients to the pipeline flush: "
+                f"it needs --pipeline-model-parallel-size > 1 (got {args.pipeline_model_parallel_size}); drop it or "
+                f"use pipeline parallelism.")
+        if not args.gradient_accumulation_fusion:
+            problems.append("--defer-embedding-wgrad-compute adds the deferred weight gradients into main_grad: it "
+                            "needs gradient accumulation fusion; drop --no-gradient-accumulation-fusion.")
+    if args.wgrad_deferral_limit < 0:
+        problems.append(f"--wgrad-deferral-limit ({args.wgrad_deferral_limit}) must be >= 0: 0 defers every "
+                        f"microbatch.")
+    return problems
+
+
 def _uneven_pipeline_problems(args, layers, pp, vpp) -> List[str]:
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if pp <= 1:
@@ -477,7 +495,7 @@ def _torch_dcp_save_problems(args) -> List[str]:
 
 def _validate_recompute(args) -> List[str]:
     problems = []
-    granularity = "selective" if args.recompute_activations else args.recompute_granularity
+    granularity = "selective" if getattr(args, "recompute_activations", False) else args.recompute_granularity
     if granularity == "full":
         if args.recompute_method is None:
             problems.append("--recompute-granularity full needs --recompute-method (uniform or block).")
@@ -560,7 +578,7 @@ def _validate_cuda_graph(args) -> List[str]:
         (bool(args.hidden_dropout) or bool(args.attention_dropout),
          f"--hidden-dropout ({args.hidden_dropout}) and --attention-dropout ({args.attention_dropout}) must be 0: "
          "the graphs do not advance the dropout RNG; set both to 0 or drop --enable-cuda-graph."),
-        (args.recompute_granularity is not None or args.recompute_activations,
+        (args.recompute_granularity is not None or getattr(args, "recompute_activations", False),
          "activation recompute (--recompute-granularity / --recompute-activations) cannot be graphed yet: drop "
          "one of the two."),
         (bool(args.num_experts), f"--num-experts ({args.num_experts}): MoE layers cannot be graphed."),
@@ -575,7 +593,8 @@ def _validate_cuda_graph(args) -> List[str]:
 
 VALIDATORS = (
     _validate_required, _validate_sizes, _validate_batch, _validate_training_length, _validate_data,
-    _validate_shape, _validate_pipeline, _validate_p2p, _validate_overlap_and_sharding, _validate_precision,
+    _validate_shape, _validate_pipeline, _validate_p2p, _validate_wgrad_deferral, _validate_overlap_and_sharding,
+    _validate_precision,
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
     _validate_cuda_graph, _validate_tp_comm_overlap, _validate_optimizer_cpu_offload, heterogeneous_config_problems,
     validate_moe,

@@ -19,7 +19,12 @@ from megatron.training.tokenizer.sentencepiece_tokenizers import (
     _Llama2Tokenizer,
     _SentencePieceTokenizer,
 )
-from megatron.training.tokenizer.tiktoken_tokenizer import PATTERN_TIKTOKEN, PATTERN_TIKTOKEN_V2, CustomTikTokenizer
+from megatron.training.tokenizer.tiktoken_tokenizer import (  # noqa: F401  reload_mergeable_ranks: Megatron's name here
+    PATTERN_TIKTOKEN,
+    PATTERN_TIKTOKEN_V2,
+    CustomTikTokenizer,
+    reload_mergeable_ranks,
+)
 
 __all__ = [
     "build_tokenizer",
@@ -31,7 +36,9 @@ __all__ = [
     "_Llama2Tokenizer",
     "_HuggingFaceTokenizer",
     "CustomTikTokenizer",
+    "reload_mergeable_ranks",
     "_NullTokenizer",
+    "_NullMultimodalTokenizer",
 ]
 
 TOKENIZER_TYPES = (
@@ -44,6 +51,7 @@ TOKENIZER_TYPES = (
     "Llama2Tokenizer",
     "TikTokenizer",
     "NullTokenizer",
+    "NullMultimodalTokenizer",
 )
 
 
@@ -67,6 +75,7 @@ def _construct(args, **kwargs) -> MegatronTokenizer:
         "Llama2Tokenizer": ("--tokenizer-model",),
         "TikTokenizer": ("--tokenizer-model",),
         "NullTokenizer": ("--vocab-size",),
+        "NullMultimodalTokenizer": ("--vocab-size",),
     }
     if kind not in needs:
         raise ValueError(
@@ -98,6 +107,8 @@ def _construct(args, **kwargs) -> MegatronTokenizer:
             num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
             special_tokens=getattr(args, "tiktoken_special_tokens", None),
         )
+    if kind == "NullMultimodalTokenizer":
+        return _NullMultimodalTokenizer(args.vocab_size)
     return _NullTokenizer(args.vocab_size)
 
 
@@ -211,6 +222,30 @@ class _NullTokenizer(NoClsSepMaskMixin, MegatronTokenizer):
     @property
     def additional_special_tokens_ids(self):
         return None
+
+
+# LLaVA's image placeholder token and its id (Megatron's multimodal defaults).
+IMAGE_TOKEN = "<image>"
+DEFAULT_IMAGE_TOKEN_INDEX = -200
+
+
+class _NullMultimodalTokenizer(_NullTokenizer):
+    """`_NullTokenizer` for multimodal data: `convert_tokens_to_ids` also maps the image placeholder
+    (`image_token`, default `<image>`) to `image_token_id` (default -200, LLaVA's index)."""
+
+    def __init__(self, vocab_size: int, image_token: str = None, image_token_id: int = None):
+        super().__init__(vocab_size)
+        self._image_token = image_token if image_token is not None else IMAGE_TOKEN
+        self._image_token_id = image_token_id if image_token_id is not None else DEFAULT_IMAGE_TOKEN_INDEX
+
+    def convert_tokens_to_ids(self, tokens: str):
+        """Ids of `tokens` (integers and image placeholders separated by two spaces); one id unwrapped."""
+        ids = [self._image_token_id if t == self._image_token else int(t) for t in tokens.split("  ")]
+        return ids if len(ids) > 1 else ids[0]
+
+    @property
+    def eos(self) -> int:
+        return self._eod_id
 
 
 def _is_file(path) -> bool:

@@ -218,3 +218,23 @@ __all__ = [
     "get_mlp_module_spec",
     "moe_layer_pattern",
 ]
+
+
+def get_mlp_module_spec_for_backend(
+    backend,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+) -> ModuleSpec:
+    """Spec of a dense MLP built from `backend`'s modules (a `BackendSpecProvider`: `LocalSpecProvider`,
+    `TECompatibleLocalSpecProvider`, `TESpecProvider`); fc1 carries the pre-MLP norm when the backend fuses it.
+
+    `num_experts` (mixture of experts) and `use_te_op_fuser` (Transformer Engine's fused-operation MLP) are
+    refused with a ValueError: neither is built here yet.
+    """
+    if num_experts is not None:
+        raise ValueError(f"num_experts ({num_experts}): mixture-of-experts layers are not supported yet.")
+    if use_te_op_fuser:
+        raise ValueError("use_te_op_fuser: Transformer Engine's fused-operation MLP is not supported; pass False.")
+    return _mlp_spec(backend)

@@ -90,6 +90,11 @@ class GPTModel(LanguageModule):
             vp_stage=vp_stage,
         )
         if self.post_process:
+            # With defer_embedding_wgrad_compute the output layer keeps every microbatch's input and output
+            # gradient here; the schedule computes its weight gradients during the pipeline flush.
+            deferred = config.defer_embedding_wgrad_compute
+            self.embedding_activation_buffer = [] if deferred else None
+            self.grad_output_buffer = [] if deferred else None
             self.output_layer = self._build_output_layer(tp_group)
             self.output_layer.register_load_state_dict_pre_hook(_default_extra_state)
         if self.pre_process or self.post_process:
@@ -119,6 +124,8 @@ class GPTModel(LanguageModule):
             skip_bias_add=False,
             gather_output=not self.parallel_output,
             skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+            embedding_activation_buffer=self.embedding_activation_buffer,
+            grad_output_buffer=self.grad_output_buffer,
             tp_group=tp_group,
         )
 
