@@ -21,9 +21,8 @@ from megatron.core.utils import StragglerDetector, get_attr_wrapped_model
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import (
-    get_batch_on_this_cp_rank,
-    get_batch_on_this_tp_rank,
     get_blend_and_blend_per_split,
+    get_gpt_batch_with_documents,
     is_first_or_last_pipeline_stage,
 )
 
@@ -67,10 +66,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage: Optional[int] 
 
 def get_batch(data_iterator, vp_stage=None):
     """(tokens, labels, loss_mask, attention_mask, position_ids) of this TP/CP rank; Nones on middle stages."""
-    if not is_first_or_last_pipeline_stage(vp_stage):
-        return None, None, None, None, None
-    batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
-    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"])
+    return get_gpt_batch_with_documents(data_iterator, vp_stage)[:5]
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: Optional[GPTModel] = None):
@@ -102,16 +98,20 @@ def forward_step(data_iterator, model: GPTModel):
     timers("batch-generator", log_level=2).start()
     with stimer(bdata=True):
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
-        tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+        tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params = get_gpt_batch_with_documents(
+            data_iterator, vp_stage)
     timers("batch-generator").stop()
     with stimer:
-        output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
+                              packed_seq_params=packed_seq_params)
     return output_tensor, partial(loss_func, loss_mask, model=model)
 
 
 def is_dataset_built_on_rank(vp_stage=None):
-    """Datasets are read on TP rank 0 of the first and last pipeline stages."""
-    return is_first_or_last_pipeline_stage(vp_stage) and parallel_state.get_tensor_model_parallel_rank() == 0
+    """Datasets are read on TP rank 0 of the first and last pipeline stages (of every stage with
+    --reset-attention-mask: all attention layers need the documents)."""
+    stage = is_first_or_last_pipeline_stage(vp_stage) or get_args().reset_attention_mask
+    return stage and parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def core_gpt_dataset_config_from_args(args):
@@ -122,7 +122,8 @@ def core_gpt_dataset_config_from_args(args):
         split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        eod_mask_loss=args.eod_mask_loss,  # documents travel as ids: no dense mask needed
+        create_attention_mask=args.create_attention_mask_in_dataloader and not args.reset_attention_mask,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus)
 
 

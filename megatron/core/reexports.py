@@ -46,6 +46,7 @@ LAZY_ATTRIBUTES: Dict[str, Dict[str, str]] = {
             "megatron.core.distributed.param_hashes:check_param_hashes_across_dp_replicas",
         "StragglerDetector": "megatron.core.straggler_detector:StragglerDetector",
         "drain_embedding_wgrad_compute": "megatron.core.tensor_parallel.wgrad_deferral:drain_embedding_wgrad_compute",
+        "get_batch_on_this_cp_rank": "megatron.core.context_parallel.batch:get_batch_on_this_cp_rank",
     },
     "megatron.core.transformer": {
         "MegatronModule": "megatron.core.transformer.module:MegatronModule",

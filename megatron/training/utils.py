@@ -13,9 +13,11 @@ from datetime import datetime
 import torch
 
 from megatron.core import parallel_state as mpu
+from megatron.core.context_parallel.batch import get_batch_on_this_cp_rank  # noqa: F401  (Megatron's import path)
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.utils import unwrap_model as _unwrap_model
-from megatron.training.global_vars import get_args
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.train_step import (  # noqa: F401  Megatron's names in this module
     logical_and_across_model_parallel_group,
     reduce_max_stat_across_model_parallel_group,
@@ -189,24 +191,51 @@ def is_first_or_last_pipeline_stage(vp_stage=None) -> bool:
 
 
 def _stage_keys(args):
-    """Which batch entries this pipeline stage needs (the rest are None)."""
+    """Which batch entries this pipeline stage needs (the rest are None).
+
+    With --reset-attention-mask every stage (middle ones too: their attention layers need them) gets
+    `document_ids` instead of the dense attention mask."""
     mtp = getattr(args, "mtp_num_layers", None)
+    documents = {"document_ids"} if getattr(args, "reset_attention_mask", False) else set()
     if mpu.get_pipeline_model_parallel_world_size() == 1:
-        return {"tokens", "labels", "loss_mask", "attention_mask", "position_ids"}
+        return {"tokens", "labels", "loss_mask", "attention_mask", "position_ids"} | documents
     if mpu.is_pipeline_first_stage():
         keys = {"tokens", "attention_mask", "position_ids"}
     elif mpu.is_pipeline_last_stage():
         keys = {"labels", "loss_mask", "attention_mask"} | ({"tokens", "position_ids"} if mtp else set())
     else:
         keys = set()
-    return keys
+    return keys | documents
+
+
+def document_ids_from_tokens(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
+    """[b, s] int32 document number of every token: the count of EOD tokens before it in its row (the EOD
+    closes its document), i.e. exactly the blocks of the dataset's --reset-attention-mask mask."""
+    is_eod = (tokens == eod_token).to(torch.int32)
+    return torch.cumsum(is_eod, dim=1, dtype=torch.int32) - is_eod
+
+
+def document_packed_seq_params(document_ids: torch.Tensor) -> PackedSeqParams:
+    """Document boundaries of a [b, s] batch as `PackedSeqParams(qkv_format='sbhd')`: cumulative lengths over
+    the flattened b * s tokens, every row start being a boundary. Reads the longest document length on the
+    host (the varlen kernels need it): one synchronisation per micro-batch."""
+    b, s = document_ids.shape
+    flat = document_ids.reshape(-1)  # [b, s] -> [b*s]
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts.view(b, s)[:, 0] = True
+    bounds = torch.nonzero(starts).view(-1)  # [n, 1] -> [n]
+    cu = torch.cat([bounds, bounds.new_full((1,), b * s)]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max().item())
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 def get_batch_on_this_tp_rank(data_iterator):
     """TP rank 0 reads the next batch and broadcasts it over the TP group (§ TP batch broadcast).
 
-    The first stage gets tokens/attention_mask/position_ids, the last stage labels/loss_mask/
-    attention_mask; entries a stage does not need are None. With TP > 1 the entries travel as one
+    The first stage gets tokens/position_ids, the last stage labels/loss_mask; with --reset-attention-mask
+    every stage also gets `document_ids` ([mbs, s] int32); entries a stage does not need are None. With TP > 1 the entries travel as one
     broadcast of one packed byte buffer (one host-to-device copy and one collective per micro-batch
     instead of one of each per entry).
     """
@@ -217,23 +246,26 @@ def get_batch_on_this_tp_rank(data_iterator):
     # GPT layer applies by itself (SDPA's causal kernel): it is not copied to the GPU or broadcast over
     # TP ([mbs, 1, s, s] bool, 32 MB at micro-batch 8 and sequence 2048). The model sees None, as with
     # --no-create-attention-mask-in-dataloader.
-    create_mask = getattr(args, "create_attention_mask_in_dataloader", True) and bool(
-        getattr(args, "reset_attention_mask", False))
+    # With --reset-attention-mask the documents travel as [mbs, s] ids (from the EOD tokens) instead of the
+    # [mbs, 1, s, s] mask: the attention restricts itself to documents without a dense mask.
     mbs, seq = args.micro_batch_size, args.seq_length
     shapes = {
         "tokens": ((mbs, seq), torch.int64),
         "labels": ((mbs, seq), torch.int64),
         "position_ids": ((mbs, seq), torch.int64),
         "loss_mask": ((mbs, seq), torch.float32),
-        "attention_mask": ((mbs, 1, seq, seq), torch.bool),
+        "document_ids": ((mbs, seq), torch.int32),
     }
-    wanted = [key for key in shapes if key in keys and (key != "attention_mask" or create_mask)]
+    wanted = [key for key in shapes if key in keys]
     data = None
     if mpu.get_tensor_model_parallel_rank() == 0:
         data = next(data_iterator) if data_iterator is not None else None
         if data is None:
             raise RuntimeError("TP rank 0 has no data iterator but must read the batch for its TP group.")
+        if "document_ids" in wanted:
+            data = dict(data, document_ids=document_ids_from_tokens(data["tokens"], get_tokenizer().eod))
     batch = dict.fromkeys(shapes)
+    batch["attention_mask"] = None
     if mpu.get_tensor_model_parallel_world_size() == 1:
         for key in wanted:
             value = data.get(key)
@@ -269,24 +301,21 @@ def _broadcast_packed(data, shapes, device):
             for key, shape, dtype, offset, nbytes in layout}
 
 
-def get_batch_on_this_cp_rank(batch):
-    """Keep this CP rank's two sequence chunks (`r` and `2CP-1-r`) of every batch entry."""
-    cp_size = mpu.get_context_parallel_world_size()
-    if cp_size == 1:
-        return batch
-    cp_rank = mpu.get_context_parallel_rank()
-    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], dtype=torch.long)
-    for key, val in batch.items():
-        if val is None:
-            continue
-        seq_dim = 2 if key == "attention_mask" else 1
-        index = index.to(val.device)
-        val = val.view(  # [.., s, ..] -> [.., 2cp, s/2cp, ..]
-            *val.shape[:seq_dim], 2 * cp_size, val.shape[seq_dim] // (2 * cp_size), *val.shape[seq_dim + 1:]
-        )
-        val = val.index_select(seq_dim, index)
-        batch[key] = val.view(*val.shape[:seq_dim], -1, *val.shape[seq_dim + 2:])  # [.., 2, s/2cp, ..] -> [.., s/cp, ..]
-    return batch
+def get_gpt_batch_with_documents(data_iterator, vp_stage=None):
+    """(tokens, labels, loss_mask, attention_mask, position_ids, packed_seq_params) of this TP/CP rank.
+
+    `packed_seq_params` holds the --reset-attention-mask documents (None without the flag): taken before
+    the CP split, so every CP rank knows all of them, and read on every pipeline stage (middle stages get
+    only it). Without the flag, middle stages get Nones (docs/design.md, "Document masking")."""
+    documents = get_args().reset_attention_mask
+    if not documents and not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None, None
+    batch = get_batch_on_this_tp_rank(data_iterator)
+    document_ids = batch.pop("document_ids", None)
+    packed_seq_params = document_packed_seq_params(document_ids) if document_ids is not None else None
+    batch = get_batch_on_this_cp_rank(batch)
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"],
+            packed_seq_params)
 
 
 def get_blend_and_blend_per_split(args):

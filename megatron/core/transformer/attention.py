@@ -20,6 +20,32 @@ from megatron.core.transformer.utils import get_model_comm_pgs_tp, get_tp_world_
 from megatron.core.utils import divide
 
 
+def layer_cp_comm_type(config: TransformerConfig, layer_number: int) -> Optional[str]:
+    """The context-parallel communication of layer `layer_number` (None without CP).
+
+    `config.cp_comm_type` is one value for all layers or a list indexed, as in Megatron-LM 0.13.1's
+    `TransformerLayer`, by the 1-based global layer number (entry 0 is never read); None means 'p2p'."""
+    if config.context_parallel_size <= 1 or config.cp_comm_type is None:
+        return None
+    if isinstance(config.cp_comm_type, str):
+        return config.cp_comm_type
+    if layer_number >= len(config.cp_comm_type):
+        raise ValueError(
+            f"cp_comm_type has {len(config.cp_comm_type)} entries but layer {layer_number} reads entry "
+            f"{layer_number}: a per-layer list is indexed by the 1-based layer number (as in Megatron-LM), so it "
+            f"needs num_layers + 1 = {config.num_layers + 1} entries (the first is unused)."
+        )
+    return config.cp_comm_type[layer_number]
+
+
+def _is_thd(packed_seq_params) -> bool:
+    return packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+
+
+def _first_given(*values):
+    return next((v for v in values if v is not None), None)
+
+
 @dataclass
 class SelfAttentionSubmodules:
     """Specs of the parts of a self-attention layer."""
@@ -77,12 +103,15 @@ class Attention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         self.tp_group = get_model_comm_pgs_tp(model_comm_pgs)
+        self.cp_group = getattr(model_comm_pgs, "cp", None) if model_comm_pgs is not None else None
         world_size = get_tp_world_size(self.tp_group)
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
         self.hidden_size_per_attention_head = divide(self.query_projection_size, config.num_attention_heads)
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
+        if cp_comm_type is None:
+            cp_comm_type = layer_cp_comm_type(config, layer_number)
         self.core_attention = build_module(
             submodules.core_attention,
             config=config,
@@ -114,6 +143,8 @@ class Attention(MegatronModule):
     def _rotated_query_key_value(self, hidden_states, key_value_states, rotary_pos_emb, packed_seq_params):
         """Queries, keys and values with the rotary position embeddings (when given) applied."""
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        if _is_thd(packed_seq_params):  # packed rows: batch dimension 1, squeezed as Megatron does
+            query, key, value = (t.squeeze(1) for t in (query, key, value))  # [t, 1, n, hn] -> [t, n, hn]
         return (*self._apply_rotary(query, key, rotary_pos_emb, packed_seq_params), value)
 
     def _apply_rotary(self, query, key, rotary_pos_emb, packed_seq_params):
@@ -121,10 +152,11 @@ class Attention(MegatronModule):
             return query, key
         q_pos_emb, k_pos_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
         cu_q = cu_kv = None
-        if packed_seq_params is not None:
-            cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
-        query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config, cu_seqlens=cu_q)
-        key = apply_rotary_pos_emb(key, k_pos_emb, config=self.config, cu_seqlens=cu_kv)
+        if _is_thd(packed_seq_params):  # positions restart at every packed sequence (padded bounds if given)
+            cu_q = _first_given(packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_q)
+            cu_kv = _first_given(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
+        query = apply_rotary_pos_emb(query, q_pos_emb, config=self.config, cu_seqlens=cu_q, cp_group=self.cp_group)
+        key = apply_rotary_pos_emb(key, k_pos_emb, config=self.config, cu_seqlens=cu_kv, cp_group=self.cp_group)
         return query, key
 
     def forward(
@@ -156,6 +188,8 @@ class Attention(MegatronModule):
             attention_bias=attention_bias,
             packed_seq_params=packed_seq_params,
         )
+        if _is_thd(packed_seq_params):
+            core_attn_out = core_attn_out.reshape(core_attn_out.size(0), 1, -1)  # [t, np*hn] -> [t, 1, np*hn]
         return self.linear_proj(core_attn_out)
 
 
@@ -218,7 +252,7 @@ class SelfAttention(Attention):
         freqs = rotary_pos_emb
         if isinstance(freqs, tuple) and freqs[0] is freqs[1]:
             freqs = freqs[0]
-        if not torch.is_tensor(freqs) or packed_seq_params is not None or not self._no_qk_norm:
+        if not torch.is_tensor(freqs) or _is_thd(packed_seq_params) or not self._no_qk_norm:
             return super()._rotated_query_key_value(hidden_states, key_value_states, rotary_pos_emb, packed_seq_params)
         mixed_qkv, _ = self.linear_qkv(hidden_states)
         fused = try_fused_qkv_rope(mixed_qkv, freqs, self.heads_per_group, self.hidden_size_per_attention_head,
@@ -243,4 +277,4 @@ class SelfAttention(Attention):
         return query, key, value
 
 
-__all__ = ["Attention", "SelfAttention", "SelfAttentionSubmodules", "CrossAttentionSubmodules"]
+__all__ = ["Attention", "SelfAttention", "SelfAttentionSubmodules", "CrossAttentionSubmodules", "layer_cp_comm_type"]

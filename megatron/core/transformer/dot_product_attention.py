@@ -9,43 +9,36 @@ Masks follow Megatron: a boolean tensor where True means "masked out". A causal 
 mask uses SDPA's built-in causal masking. Attention dropout runs inside the 'model-parallel-rng' fork,
 since each tensor-parallel rank holds different heads (with sequence parallelism the transformer block
 has already entered that fork, and forking twice would replay the same random stream).
+
+Two more paths, both in `megatron.core.context_parallel`, are taken only when asked for:
+- `packed_seq_params` (documents): attention restricted to each document. `qkv_format='thd'` is Megatron's
+  packed layout (batch dimension 1, inputs [t, n, hn], output [t, np * hn]); 'sbhd' with cumulative lengths
+  over the flattened [b * s] tokens marks documents inside ordinary rows (how `pretrain_gpt.py` passes
+  `--reset-attention-mask`). No [s, s] mask exists on GPUs (varlen kernels).
+- `context_parallel_size > 1`: causal attention across the CP split with `cp_comm_type`'s communication
+  (like Transformer Engine, a causal layer ignores `attention_mask`).
+Without either, the causal SDPA call below is the path, unchanged.
 """
-import inspect
 import math
 from contextlib import nullcontext
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.context_parallel.attention import (
+    CP_COMM_TYPES,
+    context_parallel_attention,
+    document_attention,
+    sdpa_backend_priority,
+)
+from megatron.core.context_parallel.layout import sequence_layout
 from megatron.core.transformer.enums import AttnMaskType, AttnType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import get_model_comm_pgs_tp, get_tp_world_size
 from megatron.core.utils import divide
-
-
-# SDPA backends tried in this order on CUDA. On an H200 (torch 2.11, cuDNN 9.19, bf16, head dim 128,
-# causal, forward+backward) cuDNN's kernel measured 1.5-1.8x faster than flash attention at all three
-# benchmark shapes, GQA included (docs/performance.md). torch 2.11's own default already picks cuDNN there;
-# the explicit order keeps that choice when a torch version changes its default (earlier ones preferred
-# flash). A backend that cannot take the inputs (an unsupported mask, say) is skipped by SDPA itself.
-_CUDA_SDPA_PRIORITY = (
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-)
-_SDPA_SETS_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
-
-
-def sdpa_backend_priority(query: torch.Tensor):
-    """Context choosing the SDPA backend order for `query`'s device (a no-op on CPU)."""
-    if not query.is_cuda or not _SDPA_SETS_PRIORITY:
-        return nullcontext()
-    return sdpa_kernel(list(_CUDA_SDPA_PRIORITY), set_priority=True)
 
 
 class DotProductAttention(MegatronModule):
@@ -63,11 +56,14 @@ class DotProductAttention(MegatronModule):
         model_comm_pgs=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size ({config.context_parallel_size}) > 1 is not supported by the native "
-                "DotProductAttention: use context_parallel_size=1."
-            )
+        self.cp_comm_type = None
+        if config.context_parallel_size > 1:
+            self.cp_comm_type = "p2p" if cp_comm_type is None else cp_comm_type
+            if self.cp_comm_type not in CP_COMM_TYPES:
+                raise ValueError(f"cp_comm_type ({self.cp_comm_type!r}) must be one of {', '.join(CP_COMM_TYPES)}.")
+            if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+                raise ValueError(f"context parallelism supports causal attention only, got {attn_mask_type}.")
+        self.model_comm_pgs = model_comm_pgs
         if config.window_size is not None:
             raise ValueError("window_size (sliding-window attention) is not supported by the native DotProductAttention.")
         self.layer_number = max(1, layer_number)
@@ -95,9 +91,10 @@ class DotProductAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("packed sequences (packed_seq_params) are not supported by the native DotProductAttention.")
         attn_mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if packed_seq_params is not None or self.cp_comm_type is not None:
+            return self._document_or_context_parallel(query, key, value, attention_mask, attn_mask_type,
+                                                      attention_bias, packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
         out_dtype = query.dtype
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, hn] -> [b, n, s, hn]
@@ -116,6 +113,51 @@ class DotProductAttention(MegatronModule):
             )
         context = context.to(out_dtype).permute(2, 0, 1, 3)  # [b, np, sq, hn] -> [sq, b, np, hn]
         return context.reshape(sq, b, self.hidden_size_per_partition)  # [sq, b, np, hn] -> [sq, b, np*hn]
+
+    # Eager inside a compiled layer: the plans depend on each micro-batch's documents (host values) and the
+    # ring exchanges data; traced, every micro-batch would recompile. The layer's graph splits around it.
+    @torch.compiler.disable
+    def _document_or_context_parallel(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                      packed_seq_params):
+        """Document-restricted and/or context-parallel attention (see the module docstring)."""
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # [t, n, hn] -> [t, 1, n, hn]
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported with packed sequences or context parallelism.")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"packed sequences and context parallelism need causal attention, got {attn_mask_type}.")
+        if attention_mask is not None and self.cp_comm_type is not None and type(self) is DotProductAttention:
+            raise ValueError("an explicit attention_mask is not supported with context parallelism: pass "
+                             "documents as packed_seq_params (pretrain_gpt.py does for --reset-attention-mask).")
+        sq, b = query.shape[0], query.shape[1]
+        dropout_p = self.dropout_p if self.training else 0.0
+        cp_group, hierarchical = self._cp_groups()
+        cp_size = cp_group.size() if self.cp_comm_type is not None else 1
+        layout = sequence_layout(packed_seq_params, sq, b, cp_size, query.device)
+        fork = dropout_p > 0.0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else nullcontext():
+            if self.cp_comm_type is None:
+                context = document_attention(query, key, value, layout, [0], self.softmax_scale, dropout_p)
+            else:
+                context = context_parallel_attention(query, key, value, layout, self.cp_comm_type, cp_group,
+                                                     hierarchical, self.softmax_scale, dropout_p)
+        if thd:
+            return context.reshape(sq, self.hidden_size_per_partition)  # [t, 1, np, hn] -> [t, np*hn]
+        return context.reshape(sq, b, self.hidden_size_per_partition)  # [sq, b, np, hn] -> [sq, b, np*hn]
+
+    def _cp_groups(self):
+        """(CP group, hierarchical CP groups or None) from model_comm_pgs or parallel_state."""
+        if self.cp_comm_type is None:
+            return None, None
+        pgs = self.model_comm_pgs
+        cp_group = getattr(pgs, "cp", None) if pgs is not None else None
+        if cp_group is None:
+            cp_group = parallel_state.get_context_parallel_group()
+        hierarchical = getattr(pgs, "hcp", None) if pgs is not None else None
+        if hierarchical is None and self.cp_comm_type == "a2a+p2p":
+            hierarchical = parallel_state.get_hierarchical_context_parallel_groups()
+        return cp_group, hierarchical
 
     @staticmethod
     def _sdpa_mask(attention_mask, attention_bias, attn_mask_type, dtype):

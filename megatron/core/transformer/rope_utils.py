@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from megatron.core import parallel_state
+from megatron.core.context_parallel.layout import thd_partitioned_indices, thd_positions
 from megatron.core.fusions._compile import CudaCompiled
 
 
@@ -41,15 +43,38 @@ _apply_rotary_pos_emb_bshd_fused = CudaCompiled(_apply_rotary_pos_emb_bshd)
 
 
 def _apply_rotary_pos_emb_thd(
-    t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False, mscale=1.0
+    t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False, mscale=1.0,
+    cp_group=None,
 ) -> torch.Tensor:
-    """Packed sequences: t is [total_tokens, np, hn]; each sequence restarts at position 0."""
-    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    pieces = []
-    for piece in torch.split(t, seqlens):
-        rotated = _apply_rotary_pos_emb_bshd(piece.unsqueeze(1), freqs[: piece.size(0)], rotary_interleaved, mscale)
-        pieces.append(rotated.squeeze(1))  # [s, 1, np, hn] -> [s, np, hn]
-    return torch.cat(pieces)
+    """Packed sequences: t is [tokens, np, hn]; each sequence restarts at position 0.
+
+    `cu_seqlens` are the prefix sums of the full (all CP ranks) sequence lengths. Under context parallelism
+    this rank holds chunks r and 2CP-1-r of every sequence, whose positions are [r*c, (r+1)*c) and
+    [L - (r+1)*c, L - r*c) with c = L / (2CP) (Megatron's rule). No host synchronisation."""
+    cp_size, cp_rank = _cp_size_and_rank(cp_group)
+    if cp_size == 1:
+        index = torch.arange(t.size(0), device=t.device)
+    else:
+        index = thd_partitioned_indices(cu_seqlens.to(t.device), t.size(0) * cp_size, cp_size, cp_rank)
+    positions = thd_positions(index, cu_seqlens)
+    angles = freqs.to(t.device)[positions]  # [S, 1, 1, rot] -> [t, 1, 1, rot]
+    return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), angles, rotary_interleaved, mscale).squeeze(1)  # [t, 1, np, hn] -> [t, np, hn]
+
+
+def _get_thd_freqs_on_this_cp_rank(cp_rank: int, cp_size: int, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Angles of one packed sequence's tokens on this CP rank: x holds its 2 local chunks ([2c, ...]), so the
+    positions are [r*c, (r+1)*c) and [L - (r+1)*c, L - r*c) with L = cp * 2c (Megatron's helper)."""
+    if cp_size == 1:
+        return freqs[: x.size(0)]
+    half, full = x.size(0) // 2, cp_size * x.size(0)
+    return torch.cat([freqs[cp_rank * half:(cp_rank + 1) * half],
+                      freqs[full - (cp_rank + 1) * half:full - cp_rank * half]])
+
+
+def _cp_size_and_rank(cp_group):
+    if cp_group is not None:
+        return cp_group.size(), cp_group.rank()
+    return parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
 
 
 def apply_rotary_pos_emb(
@@ -68,7 +93,8 @@ def apply_rotary_pos_emb(
     interleaved = config.rotary_interleaved
     if cu_seqlens is None:
         return _apply_rotary_pos_emb_bshd_fused(t, freqs, interleaved, mscale)
-    return _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=interleaved, mscale=mscale)
+    return _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=interleaved, mscale=mscale,
+                                     cp_group=cp_group)
 
 
-__all__ = ["apply_rotary_pos_emb"]
+__all__ = ["apply_rotary_pos_emb", "_get_thd_freqs_on_this_cp_rank"]

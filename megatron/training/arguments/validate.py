@@ -19,6 +19,8 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.utils import module_available
+from megatron.training.arguments.context_parallel import context_parallel_problems
 from megatron.training.arguments.derive import derive, derived_ffn_hidden_size
 from megatron.training.arguments.errors import ArgumentsError
 from megatron.training.arguments.heterogeneous import heterogeneous_config_problems
@@ -533,7 +535,8 @@ def _validate_communication(args, capability_fn: Callable = None) -> List[str]:
     if value == "1":
         return []
     return [
-        f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) > 1 on a GPU of compute capability "
+        f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) or --context-parallel-size "
+        f"({args.context_parallel_size}) > 1 on a GPU of compute capability "
         f"{capability[0]}.{capability[1]} needs the environment variable CUDA_DEVICE_MAX_CONNECTIONS=1 (it is "
         f"{value!r}) so that communication and compute kernels keep their order: export "
         "CUDA_DEVICE_MAX_CONNECTIONS=1 before launching."
@@ -582,6 +585,8 @@ def _validate_cuda_graph(args) -> List[str]:
          "activation recompute (--recompute-granularity / --recompute-activations) cannot be graphed yet: drop "
          "one of the two."),
         (bool(args.num_experts), f"--num-experts ({args.num_experts}): MoE layers cannot be graphed."),
+        (args.reset_attention_mask, "--reset-attention-mask: document boundaries change every micro-batch, "
+         "which graphs cannot follow; drop one of the two."),
         (args.overlap_param_gather,
          "--overlap-param-gather gathers parameters in forward pre-hooks, which cannot run inside a graph: drop "
          "one of the two."),
@@ -598,4 +603,5 @@ VALIDATORS = (
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
     _validate_cuda_graph, _validate_tp_comm_overlap, _validate_optimizer_cpu_offload, heterogeneous_config_problems,
     validate_moe,
+    context_parallel_problems,
 )

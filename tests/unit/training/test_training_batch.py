@@ -1,7 +1,8 @@
 """`get_batch_on_this_tp_rank`: TP rank 0 reads the batch and every TP rank ends up with the same tensors.
 
 The plain causal attention mask is not shipped (the causal layers apply it themselves); with
---reset-attention-mask the per-document mask is.
+--reset-attention-mask neither is the per-document mask: TP rank 0 turns the EOD tokens into document ids
+([b, s] int32), which every TP rank receives, and the attention restricts itself to documents.
 """
 import argparse
 
@@ -25,14 +26,20 @@ def _batch_on_tp2(reset_attention_mask):
             "labels": torch.randint(0, 9, (2, 4), generator=generator),
             "loss_mask": torch.rand(2, 4, generator=generator), "attention_mask": mask,
             "position_ids": torch.arange(4).repeat(2, 1)}
+    data["tokens"][0, 1] = data["tokens"][1, 2] = 8  # EODs: documents [2, 2] and [3, 1]
     iterator = iter([data]) if ps.get_tensor_model_parallel_rank() == 0 else None
+    global_vars._GLOBAL_TOKENIZER = argparse.Namespace(eod=8)
     batch = get_batch_on_this_tp_rank(iterator)
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         assert torch.equal(batch[key], data[key]), key
+    assert batch["attention_mask"] is None
+    eods = data["tokens"] == 8
+    expected = torch.cumsum(eods.int(), dim=1) - eods.int()
     if reset_attention_mask:
-        assert torch.equal(batch["attention_mask"], mask)
+        assert batch["document_ids"].dtype == torch.int32 and torch.equal(batch["document_ids"], expected)
     else:
-        assert batch["attention_mask"] is None
+        assert batch["document_ids"] is None
+    global_vars._GLOBAL_TOKENIZER = None
     global_vars.set_args(None)
     ps.destroy_model_parallel()
     return True

@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.rope_utils import (
     _apply_rotary_pos_emb_bshd,
     _apply_rotary_pos_emb_thd,
+    _get_thd_freqs_on_this_cp_rank,
     _rotate_half,
     apply_rotary_pos_emb,
 )
@@ -64,5 +65,6 @@ __all__ = [
     "get_pos_emb_on_this_cp_rank",
     "_apply_rotary_pos_emb_bshd",
     "_apply_rotary_pos_emb_thd",
+    "_get_thd_freqs_on_this_cp_rank",
     "_rotate_half",
 ]

@@ -100,7 +100,10 @@ class RotaryEmbedding(torch.nn.Module):
         """The full sequence length the angles must cover (undoing SP and CP sharding)."""
         if inference_context is not None:
             return inference_context.max_sequence_length
-        if packed_seq_params is not None and getattr(packed_seq_params, "max_seqlen_q", None) is not None:
+        # Packed (THD) rows restart positions at every sequence: the table covers the longest one. Documents
+        # inside ordinary rows ('sbhd', --reset-attention-mask) keep their row positions, as in Megatron.
+        thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if thd and getattr(packed_seq_params, "max_seqlen_q", None) is not None:
             return max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)
         if transformer is not None and getattr(transformer, "input_tensor", None) is not None:
             rotary_seq_len = transformer.input_tensor.size(0)
