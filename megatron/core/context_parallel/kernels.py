@@ -142,6 +142,10 @@ class VarlenCall:
     causal: bool
     """Causal within each segment (query and key segments are then the same tokens)."""
 
+    in_order: bool = False
+    """The query and key indices are both 0, 1, ..., T-1: the call reads and writes the tensors as they
+    are (no gather of the inputs, no scatter of the outputs)."""
+
 
 def _segment_keys(group: TokenGroup, select: torch.Tensor, batch: int):
     """(flat indices, segment keys) of the selected tokens of every row, row by row, in token order."""
@@ -176,7 +180,14 @@ def _varlen_call(pieces: List, causal: bool) -> Optional[VarlenCall]:
     cu_q = torch.cat([zero, torch.cumsum(q_lens, 0)]).to(torch.int32)
     cu_k = torch.cat([zero, torch.cumsum(k_lens, 0)]).to(torch.int32)
     max_q, max_k = torch.stack([q_lens.max(), k_lens.max()]).tolist()
-    return VarlenCall(q_index, k_index, cu_q, cu_k, int(max_q), int(max_k), causal)
+    in_order = bool(torch.equal(q_index, torch.arange(q_index.numel(), device=q_index.device))
+                    and torch.equal(k_index, q_index))
+    return VarlenCall(q_index, k_index, cu_q, cu_k, int(max_q), int(max_k), causal, in_order)
+
+
+def _covers(call: VarlenCall, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The one call of a block pair reads every query and key in place (see `VarlenCall.in_order`)."""
+    return call.in_order and call.q_index.numel() == q.shape[0] == k.shape[0]
 
 
 def varlen_plan(query: TokenGroup, key: TokenGroup, batch: int) -> List[VarlenCall]:
@@ -215,6 +226,9 @@ def _flash_varlen_backward(dout, q, k, v, out, lse, call: VarlenCall, scale: flo
 def varlen_forward(q, k, v, calls: List[VarlenCall], scale: float, dropout_p: float = 0.0):
     """(out, lse, [Philox states]) of one block pair through FlashAttention's varlen kernel, merged over calls."""
     out, lse, states, acc = None, None, [], accumulation_dtype(q)
+    if len(calls) == 1 and _covers(calls[0], q, k):  # e.g. packed documents without CP: no gather/scatter
+        part, part_lse, rng_state, unused, _ = _flash_varlen_forward(q, k, v, calls[0], scale, dropout_p)
+        return part.to(acc), part_lse.t(), [(rng_state, unused)]  # lse [h, T] -> [T, h] (a view)
     for call in calls:
         part, part_lse, rng_state, unused, _ = _flash_varlen_forward(
             q.index_select(0, call.q_index), k.index_select(0, call.k_index), v.index_select(0, call.k_index),
@@ -231,8 +245,14 @@ def varlen_forward(q, k, v, calls: List[VarlenCall], scale: float, dropout_p: fl
 
 
 def varlen_backward(dout, q, k, v, out, lse, calls: List[VarlenCall], scale: float, dropout_p: float, states):
-    """(dq, dk, dv) fp32 of one block pair given the merged output and lse, through the varlen kernel."""
+    """(dq, dk, dv) of one block pair given the merged output and lse, through the varlen kernel: fp32, or
+    the inputs' dtype when one in-order call covers the block (the kernel rounds to it either way)."""
     acc = accumulation_dtype(q)
+    if len(calls) == 1 and _covers(calls[0], q, k):  # gradients in the inputs' dtype; callers accumulate in fp32
+        rng_state, unused = states[0]
+        dq, dk, dv = _flash_varlen_backward(dout, q, k, v, out, lse.t().contiguous(),  # [T, h] -> [h, T]
+                                            calls[0], scale, dropout_p, rng_state, unused)[:3]
+        return dq, dk, dv
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -268,7 +288,7 @@ class BlockKernel:
         return varlen_forward(q, k, v, plan, scale, dropout_p)
 
     def backward(self, dout, q, k, v, out, lse, plan, scale, dropout_p, state):
-        """(dq, dk, dv) fp32 given the merged out (in q's dtype) and lse."""
+        """(dq, dk, dv) given the merged out (in q's dtype) and lse: fp32 (see `varlen_backward`)."""
         if self.name == "math":
             return math_backward(dout, q, k, v, out, lse, plan, scale, dropout_p, state)
         return varlen_backward(dout, q, k, v, out, lse, plan, scale, dropout_p, state)

@@ -87,12 +87,13 @@ def test_varlen_block_pairs_match_the_math_path():
     print(f"worst relative error of the varlen path: {worst:.2e}")
 
 
-def test_document_attention_matches_sdpa_with_the_dense_mask():
+@pytest.mark.parametrize("b", [1, 2])  # b = 1: one in-order kernel call (no gather/scatter); b = 2: gathered rows
+def test_document_attention_matches_sdpa_with_the_dense_mask(b):
     from megatron.core.context_parallel.attention import document_attention
 
     torch.manual_seed(1)
-    s, b, heads, groups, hn = 2048, 2, 16, 4, 128
-    cu = torch.tensor([0, 300, 301, 1024, 2048, 2600, 4096])
+    s, heads, groups, hn = 2048, 16, 4, 128
+    cu = torch.tensor([0, 300, 301, 1024, 2048, 2600, 4096])[: 2 + 3 * b]  # documents of the b rows
     keys = document_keys_from_cu_seqlens(cu, b, s, "cuda")
     layout = SequenceLayout(s, b, 1, "cuda", doc_keys=keys)
     make = lambda n: torch.randn(s, b, n, hn, device="cuda", dtype=torch.bfloat16, requires_grad=True)

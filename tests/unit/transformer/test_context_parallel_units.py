@@ -184,6 +184,17 @@ def test_varlen_plans_cover_exactly_the_allowed_pairs(name, layout):
         assert torch.equal(covered, want), (name, q_ranks, k_ranks)
 
 
+def test_whole_sequence_plan_reads_one_row_in_place():
+    """One row of packed documents without CP: one causal call over tokens 0..s-1 (taken without gather or
+    scatter); with two rows the flat [s*b] tokens of a document interleave, so the call gathers."""
+    for b, in_order in ((1, True), (2, False)):
+        keys = document_keys_from_cu_seqlens(torch.tensor([0, 5, 6, 19, 32, 40, 64])[: 2 + 3 * b], b, 32, "cpu")
+        layout = SequenceLayout(32, b, 1, "cpu", doc_keys=keys)
+        calls = kernels.varlen_plan(layout.group([0]), layout.group([0]), b)
+        assert len(calls) == 1 and calls[0].causal and calls[0].in_order is in_order
+        assert calls[0].cu_q.tolist()[-1] == 32 * b
+
+
 def _emulated_flash_forward(q, k, v, call, scale, dropout_p):
     out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype)
     for seg in range(call.cu_q.numel() - 1):
