@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-VOCAB, MAX_SEQ, SEED = 64, 128, 4321
+VOCAB, MAX_SEQ, SEED = 128, 128, 4321
 
 
 def build_model(kind: str = "gpt", tp: int = 1):
@@ -33,6 +33,22 @@ def tokenizer():
     return _NullTokenizer(VOCAB - 1)
 
 
+class CharTokenizer:
+    """Printable ASCII, one token per character; eod = 127 (for the server's text routes)."""
+
+    vocab_size = VOCAB
+    eod = VOCAB - 1
+
+    def tokenize(self, text: str):
+        return [ord(c) if ord(c) < self.eod else ord("?") for c in text]
+
+    def detokenize(self, ids) -> str:
+        return "".join(chr(int(t)) for t in ids if int(t) != self.eod)
+
+    def offsets(self, ids, text: str):
+        return list(range(len(ids)))
+
+
 def wrapper_config(max_requests: int = 8, max_seq: int = MAX_SEQ):
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
@@ -41,7 +57,7 @@ def wrapper_config(max_requests: int = 8, max_seq: int = MAX_SEQ):
                                   inference_max_seq_length=max_seq)
 
 
-def static_engine(model, max_requests: int = 8):
+def static_engine(model, max_requests: int = 8, tokenizer_=None):
     from megatron.core.inference.engines.static_engine import StaticInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
@@ -49,7 +65,8 @@ def static_engine(model, max_requests: int = 8):
     )
 
     wrapped = GPTInferenceWrapper(model, wrapper_config(max_requests))
-    return StaticInferenceEngine(TextGenerationController(wrapped, tokenizer()), max_batch_size=max_requests)
+    controller = TextGenerationController(wrapped, tokenizer_ or tokenizer())
+    return StaticInferenceEngine(controller, max_batch_size=max_requests)
 
 
 def dynamic_engine(model, tp: int = 1, chunk: int = 8, max_requests: int = 4, buffer_gb: float = 0.0005):
