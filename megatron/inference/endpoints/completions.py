@@ -15,6 +15,14 @@ from megatron.inference.endpoints.common import MAX_PROMPTS, RequestError, get_b
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+def _check_ids(lists, tokenizer):
+    vocab = tokenizer.vocab_size
+    for ids in lists:
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError(f"token ids must be in [0, {vocab})")
+    return lists
+
+
 def _prompts_of(prompt: Any, tokenizer):
     """(texts, token lists) of an OpenAI `prompt` value."""
     if isinstance(prompt, str):
@@ -22,9 +30,10 @@ def _prompts_of(prompt: Any, tokenizer):
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return list(prompt), [list(tokenizer.tokenize(p)) for p in prompt]
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        return [tokenizer.detokenize(prompt)], [list(prompt)]
+        return [tokenizer.detokenize(prompt)], _check_ids([list(prompt)], tokenizer)
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(is_int(t) for t in p)
                                                    for p in prompt):
+        _check_ids(prompt, tokenizer)
         return [tokenizer.detokenize(p) for p in prompt], [list(p) for p in prompt]
     raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
