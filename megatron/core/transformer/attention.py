@@ -17,7 +17,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import get_model_comm_pgs_tp, get_tp_world_size
-from megatron.core.utils import divide
+from megatron.core.utils import deprecate_inference_params, divide
 
 
 def layer_cp_comm_type(config: TransformerConfig, layer_number: int) -> Optional[str]:
@@ -175,8 +175,13 @@ class Attention(MegatronModule):
         inference_params=None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[s, b, h] -> (output [s, b, h], output bias or None)."""
-        if inference_context is not None or inference_params is not None:
-            raise ValueError("inference_context (KV-cache inference) is not supported by the native Attention.")
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        if inference_context is not None:  # KV cache: the context stores keys/values and attends over them
+            query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
+            scale = getattr(self.core_attention, "softmax_scale", None)
+            core_attn_out = inference_context.attend(self.layer_number, query, key, value, rotary_pos_emb, scale,
+                                                     self.config)
+            return self.linear_proj(core_attn_out)
         query, key, value = self._rotated_query_key_value(hidden_states, key_value_states, rotary_pos_emb,
                                                           packed_seq_params)
         core_attn_out = self.core_attention(

@@ -173,6 +173,8 @@ class GPTModel(LanguageModule):
         )
         if not self.post_process:
             return hidden_states
+        if inference_context is not None and inference_context.materialize_only_last_token_logits:
+            hidden_states = inference_context.last_token_hidden_states(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         if labels is None:

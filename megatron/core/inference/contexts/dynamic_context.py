@@ -1,0 +1,320 @@
+"""`DynamicInferenceContext`: paged key/value memory for in-flight (continuous) batching.
+
+Every step runs ONE forward over the tokens of all scheduled requests flattened into a `[1, T]` sequence:
+the prompts (or prompt chunks: chunked prefill) of newly admitted requests and one token per decoding
+request. Keys/values live in `memory_buffer [2 (K, V), num_layers, chunk_count, chunk_size_tokens, ng / TP, hn]`;
+each request owns a list of chunks (`request_to_kv_chunk_ids`), so requests of any length share the buffer
+without padding. Requests join between steps (`add_request`) and leave when finished (their chunks go back
+to the allocator). A request that needs a new chunk while memory is short is paused for the step and
+resumed when chunks free up.
+
+Sizes follow Megatron Core: `chunk_size_bytes = dtype_bytes * 2 * num_layers * chunk_size_tokens * heads * hn`;
+the buffer holds `int(buffer_size_gb * 2**30) // chunk_size_bytes` chunks (the last is a dummy);
+`max_tokens = chunks * chunk_size_tokens`, `max_requests = max_tokens // max_sequence_length`; with
+`buffer_overflow_factor f` they become `roundup4(max_requests * f)` and `roundup64(max_tokens * f / 50)`;
+the overrides replace them (rounded the same way) and `max_requests <= max_tokens`. The guaranteed reserve is
+`gtd_request_count = roundup4(min(max(1, requests fitting in the guaranteed fraction), max_requests))`
+requests of `ceil(max_sequence_length / chunk_size_tokens)` chunks each.
+"""
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from megatron.core.inference.contexts.base_context import BaseInferenceContext
+from megatron.core.inference.contexts.dynamic_chunk_allocator import ChunkAllocator
+from megatron.core.inference.contexts.kv_attention import attend_padded, rotary_table, rotate
+
+
+class ContextOverflowError(Exception):
+    """The context cannot take a request now or ever."""
+
+
+class RequestOverflowError(ContextOverflowError):
+    """More requests than `max_requests`."""
+
+
+class TokenOverflowError(ContextOverflowError):
+    """More tokens than `max_tokens`."""
+
+
+class MaxSequenceLengthOverflowError(ContextOverflowError):
+    """Prompt + tokens to generate exceed `max_sequence_length`."""
+
+
+class ChunkOverflowError(ContextOverflowError):
+    """Not enough free chunks."""
+
+
+def _round_up(value: float, multiple: int) -> int:
+    return int(math.ceil(int(value) / multiple) * multiple)
+
+
+@dataclass
+class _RequestState:
+    request_id: int
+    tokens: List[int]
+    prompt_length: int
+    max_length: int
+    kv_length: int = 0
+    chunks: List[int] = field(default_factory=list)
+    paused: bool = False
+
+
+@dataclass
+class _StepLayout:
+    """Index tensors of one step, built once and read by every layer."""
+
+    request_ids: List[int]
+    query_lengths: List[int]
+    positions: torch.Tensor  # [T]
+    write_chunks: torch.Tensor  # [T]
+    write_offsets: torch.Tensor  # [T]
+    chunk_table: torch.Tensor  # [R, C]
+    query_slots: torch.Tensor  # [T] index into R * Qmax
+    max_query: int
+    allowed: torch.Tensor  # [R, 1, Qmax, C * chunk]
+    last_token_index: torch.Tensor  # [R]
+
+
+class DynamicInferenceContext(BaseInferenceContext):
+    """Paged key/value memory, request book-keeping and the per-step token layout."""
+
+    def __init__(
+        self,
+        params_dtype: torch.dtype,
+        num_layers: int,
+        kv_channels: int,
+        num_attention_heads: int,
+        max_sequence_length: int,
+        buffer_size_gb: float,
+        buffer_guaranteed_fraction: float,
+        chunk_size_tokens: int = 256,
+        buffer_overflow_factor: Optional[float] = None,
+        max_requests_override: Optional[int] = None,
+        max_tokens_override: Optional[int] = None,
+        tensor_model_parallel_size: Optional[int] = None,
+        materialize_only_last_token_logits: bool = True,
+        device: Optional[torch.device] = None,
+    ):
+        super().__init__(materialize_only_last_token_logits)
+        tp = 1 if tensor_model_parallel_size is None else tensor_model_parallel_size
+        if num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads ({num_attention_heads}) of the dynamic context (the key/value "
+                             f"heads) must be divisible by the tensor-parallel size ({tp})")
+        self._max_sequence_length = max_sequence_length
+        self.num_layers = num_layers
+        self.chunk_size_tokens = chunk_size_tokens
+        heads = num_attention_heads // tp
+        dtype_bytes = torch.tensor([], dtype=params_dtype).element_size()
+        self.chunk_size_bytes = dtype_bytes * 2 * num_layers * chunk_size_tokens * heads * kv_channels
+        buffer_bytes = int(buffer_size_gb * 1024 ** 3) // self.chunk_size_bytes * self.chunk_size_bytes
+        chunk_count_total = buffer_bytes // self.chunk_size_bytes
+        self.max_tokens = chunk_count_total * chunk_size_tokens
+        self.max_requests = self.max_tokens // max_sequence_length
+        if buffer_overflow_factor is not None:
+            self.max_requests = _round_up(self.max_requests * buffer_overflow_factor, 4)
+            self.max_tokens = _round_up(self.max_tokens * buffer_overflow_factor / 50, 64)
+        if max_requests_override is not None:
+            self.max_requests = _round_up(max_requests_override, 4)
+        if max_tokens_override is not None:
+            self.max_tokens = _round_up(max_tokens_override, 64)
+        self.max_requests = min(self.max_requests, self.max_tokens)
+        self.chunks_per_request = math.ceil(max_sequence_length / chunk_size_tokens)
+        fitting = int(buffer_guaranteed_fraction * buffer_bytes) // (self.chunk_size_bytes * self.chunks_per_request)
+        self.gtd_request_count = _round_up(min(max(1, fitting), self.max_requests), 4)
+        self.gtd_chunk_count = self.gtd_request_count * self.chunks_per_request
+        if self.max_requests < 1:
+            raise ValueError(
+                f"the dynamic inference buffer ({buffer_size_gb} GB, {chunk_count_total} chunks of "
+                f"{chunk_size_tokens} tokens) holds no request of --inference-max-seq-length {max_sequence_length}: "
+                "raise --inference-dynamic-batching-buffer-size-gb or set "
+                "--inference-dynamic-batching-max-requests-override"
+            )
+        self.chunk_allocator = ChunkAllocator(chunk_count_total, self.gtd_chunk_count)
+        self.memory_buffer = torch.full(
+            (2, num_layers, chunk_count_total, chunk_size_tokens, heads, kv_channels), -1,
+            dtype=params_dtype, device=device,
+        )
+        self.requests: "OrderedDict[int, _RequestState]" = OrderedDict()
+        self.step_layout: Optional[_StepLayout] = None
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self._max_sequence_length
+
+    def is_static_batching(self) -> bool:
+        return False
+
+    @property
+    def total_request_count(self) -> int:
+        """Requests holding memory (running or paused)."""
+        return len(self.requests)
+
+    @property
+    def paused_request_count(self) -> int:
+        """Requests that could not get a chunk this step."""
+        return sum(state.paused for state in self.requests.values())
+
+    def reset(self) -> None:
+        """Drop every request and free all memory."""
+        self.requests.clear()
+        self.chunk_allocator.reset()
+        self.step_layout = None
+
+    def check_request(self, prompt_length: int, num_tokens_to_generate: int) -> None:
+        """Raise MaxSequenceLengthOverflowError when the request can never fit."""
+        if prompt_length < 1:
+            raise ValueError("a dynamic inference request needs at least one prompt token")
+        if prompt_length + num_tokens_to_generate > self.max_sequence_length:
+            raise MaxSequenceLengthOverflowError(
+                f"prompt ({prompt_length} tokens) + num_tokens_to_generate ({num_tokens_to_generate}) exceed "
+                f"max_sequence_length ({self.max_sequence_length})"
+            )
+
+    def add_request(self, request_id: int, tokens: List[int], num_tokens_to_generate: int) -> None:
+        """Admit a request, reserving its prompt's chunks; raises a ContextOverflowError when it cannot now."""
+        self.check_request(len(tokens), num_tokens_to_generate)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id} is already active")
+        if len(self.requests) >= self.max_requests:
+            raise RequestOverflowError(f"{len(self.requests)} requests are active (max_requests {self.max_requests})")
+        chunks = self.chunk_allocator.allocate_memory_chunks(math.ceil(len(tokens) / self.chunk_size_tokens),
+                                                            safe=True)
+        if chunks is None:
+            raise ChunkOverflowError(f"not enough free chunks for a prompt of {len(tokens)} tokens")
+        self.requests[request_id] = _RequestState(request_id, list(tokens), len(tokens),
+                                                  len(tokens) + num_tokens_to_generate, chunks=chunks)
+
+    def release_request(self, request_id: int) -> None:
+        """Free a finished request's memory."""
+        state = self.requests.pop(request_id)
+        self.chunk_allocator.release_memory_chunks(state.chunks)
+
+    def _schedule(self):
+        """(state, query length) of this step's requests, within the token budget; others are paused."""
+        budget, scheduled = self.max_tokens, []
+        for state in self.requests.values():
+            pending = len(state.tokens) - state.kv_length
+            count = min(pending, budget)
+            state.paused = count == 0
+            if count == 0:
+                continue
+            needed = math.ceil((state.kv_length + count) / self.chunk_size_tokens) - len(state.chunks)
+            if needed > 0:
+                chunks = self.chunk_allocator.allocate_memory_chunks(needed)
+                if chunks is None:
+                    state.paused = True
+                    continue
+                state.chunks.extend(chunks)
+            scheduled.append((state, count))
+            budget -= count
+        if not scheduled and self.requests:
+            raise ChunkOverflowError("every active request is paused for lack of memory chunks: raise "
+                                     "--inference-dynamic-batching-buffer-size-gb or the guaranteed fraction")
+        return scheduled
+
+    def initialize_step(self, device=None):
+        """Lay out this step's tokens; returns (input_ids [1, T], position_ids [1, T])."""
+        scheduled = self._schedule()
+        cs = self.chunk_size_tokens
+        ids, positions, chunks_of, offsets, slots = [], [], [], [], []
+        max_query = max(count for _, count in scheduled)
+        max_chunks = max(math.ceil((s.kv_length + count) / cs) for s, count in scheduled)
+        table = torch.full((len(scheduled), max_chunks), self.chunk_allocator.dummy_chunk_idx, dtype=torch.long)
+        kv_ends, last_index = [], []
+        for row, (state, count) in enumerate(scheduled):
+            span = range(state.kv_length, state.kv_length + count)
+            ids.extend(state.tokens[span.start:span.stop])
+            positions.extend(span)
+            chunks_of.extend(state.chunks[p // cs] for p in span)
+            offsets.extend(p % cs for p in span)
+            slots.extend(row * max_query + i for i in range(count))
+            table[row, :len(state.chunks)] = torch.tensor(state.chunks[:max_chunks])
+            kv_ends.append(span.stop)
+            last_index.append(len(ids) - 1)
+        device = self.memory_buffer.device if device is None else device
+        position_tensor = torch.tensor(positions, dtype=torch.long)
+        query_pos = torch.full((len(scheduled), max_query), -1, dtype=torch.long)
+        query_pos.view(-1)[torch.tensor(slots)] = position_tensor
+        key_pos = torch.arange(max_chunks * cs)
+        allowed = key_pos[None, None, :] <= query_pos[:, :, None]  # [R, Qmax, K]
+        allowed[:, :, 0] |= query_pos < 0  # padding query slots: one key, so no row is all -inf
+        to = dict(device=device)
+        self.step_layout = _StepLayout(
+            request_ids=[state.request_id for state, _ in scheduled],
+            query_lengths=[count for _, count in scheduled],
+            positions=position_tensor.to(**to),
+            write_chunks=torch.tensor(chunks_of, dtype=torch.long, **to),
+            write_offsets=torch.tensor(offsets, dtype=torch.long, **to),
+            chunk_table=table.to(**to),
+            query_slots=torch.tensor(slots, dtype=torch.long, **to),
+            max_query=max_query,
+            allowed=allowed.unsqueeze(1).to(**to),  # [R, Qmax, K] -> [R, 1, Qmax, K]
+            last_token_index=torch.tensor(last_index, dtype=torch.long, **to),
+        )
+        self._scheduled = scheduled
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)  # [T] -> [1, T]
+        return input_ids, self.step_layout.positions.unsqueeze(0)  # [T] -> [1, T]
+
+    def sampling_request_ids(self) -> List[int]:
+        """The scheduled requests whose last step token is the last known token (they get a new one)."""
+        return [state.request_id for state, count in self._scheduled if state.kv_length + count == len(state.tokens)]
+
+    def update_requests(self, new_tokens: torch.Tensor, termination_id: int) -> List[int]:
+        """Record the step: cache lengths advance, sampled tokens ([R] per scheduled request) are appended for
+        requests that finished their prompt; returns the ids of finished requests (memory released)."""
+        finished = []
+        for row, (state, count) in enumerate(self._scheduled):
+            state.kv_length += count
+            if state.kv_length < len(state.tokens):  # chunked prefill: more prompt next step
+                continue
+            token = int(new_tokens[row])
+            state.tokens.append(token)
+            if token == termination_id or len(state.tokens) >= state.max_length:
+                finished.append(state.request_id)
+        for request_id in finished:
+            self.release_request(request_id)
+        self.step_layout = None
+        return finished
+
+    def request_tokens(self, request_id: int) -> List[int]:
+        """Prompt + generated tokens of an active request."""
+        return self.requests[request_id].tokens
+
+    def attend(self, layer_number, query, key, value, rotary_pos_emb, softmax_scale, config):
+        """query [T, 1, np, hn], key/value [T, 1, ng, hn] -> [T, 1, np * hn]."""
+        layout = self.step_layout
+        if layout is None:
+            raise ValueError("DynamicInferenceContext.attend: call initialize_step() before the forward")
+        table = rotary_table(rotary_pos_emb)
+        query, key = rotate(query, key, None if table is None else table[layout.positions], config)
+        k_memory, v_memory = self.memory_buffer[0, layer_number - 1], self.memory_buffer[1, layer_number - 1]
+        k_memory[layout.write_chunks, layout.write_offsets] = key[:, 0].to(k_memory.dtype)
+        v_memory[layout.write_chunks, layout.write_offsets] = value[:, 0].to(v_memory.dtype)
+        rows, chunks = layout.chunk_table.shape
+        heads, hn = k_memory.shape[-2:]
+        keys = k_memory[layout.chunk_table].view(rows, chunks * self.chunk_size_tokens, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
+        values = v_memory[layout.chunk_table].view(rows, chunks * self.chunk_size_tokens, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
+        padded = query.new_zeros(rows * layout.max_query, query.size(2), query.size(3))
+        padded[layout.query_slots] = query[:, 0]
+        padded = padded.view(rows, layout.max_query, query.size(2), query.size(3))  # [R*Q, np, hn] -> [R, Q, np, hn]
+        out = attend_padded(padded, keys.to(query.dtype), values.to(query.dtype), layout.allowed, softmax_scale)
+        out = out.reshape(rows * layout.max_query, -1)[layout.query_slots]  # [R, Q, np, hn] -> [T, np*hn]
+        return out.unsqueeze(1)  # [T, np*hn] -> [T, 1, np*hn]
+
+    def last_token_hidden_states(self, hidden_states):
+        """[T, 1, h] -> [R, 1, h]: the last token of every scheduled request."""
+        return hidden_states.index_select(0, self.step_layout.last_token_index)
+
+
+__all__ = [
+    "DynamicInferenceContext",
+    "ContextOverflowError",
+    "RequestOverflowError",
+    "TokenOverflowError",
+    "MaxSequenceLengthOverflowError",
+    "ChunkOverflowError",
+]

@@ -1,0 +1,116 @@
+"""`StaticInferenceContext`: the key/value cache of static batching (Megatron Core's `InferenceParams`).
+
+One batch of `max_batch_size` rows advances together: a forward feeds the columns
+`[sequence_len_offset, sequence_len_offset + s)` of every row, which attend causally to all earlier columns.
+Per layer the cache is `key_value_memory_dict[layer_number] = (K, V)`, each
+`[max_sequence_length, max_batch_size, num_query_groups / TP, head_dim]`, allocated at the first forward.
+The caller advances `sequence_len_offset` after each forward.
+"""
+from typing import Dict, Tuple
+
+import torch
+
+from megatron.core.inference.contexts.base_context import BaseInferenceContext
+from megatron.core.inference.contexts.kv_attention import attend_padded, rotary_table, rotate
+
+
+class StaticInferenceContext(BaseInferenceContext):
+    """Per-layer key/value memory plus the current batch and sequence offsets."""
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int, materialize_only_last_token_logits: bool = True):
+        super().__init__(materialize_only_last_token_logits)
+        self._max_sequence_length = max_sequence_length
+        self.max_batch_size = max_batch_size
+        self.current_batch_size = max_batch_size
+        self.sequence_len_offset = 0
+        self.batch_size_offset = 0
+        self.decode_mode = False
+        self.key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_config(cls, inference_config) -> "StaticInferenceContext":
+        """A context sized by an `InferenceWrapperConfig`."""
+        return cls(inference_config.inference_max_requests, inference_config.inference_max_seq_length)
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self._max_sequence_length
+
+    @max_sequence_length.setter
+    def max_sequence_length(self, value: int) -> None:
+        self._max_sequence_length = value
+
+    def is_static_batching(self) -> bool:
+        return True
+
+    def is_decode_only(self) -> bool:
+        """True once every row is past its prompt (one new column per forward)."""
+        return self.decode_mode
+
+    def enable_prefill_mode(self) -> None:
+        """Forwards feed several columns (prompts)."""
+        self.decode_mode = False
+
+    def enable_decode_mode(self) -> None:
+        """Forwards feed one column."""
+        self.decode_mode = True
+
+    def swap_key_value_dict(self, batch_idx: torch.Tensor) -> None:
+        """Reorder every cached key/value along the batch dimension (beam search)."""
+        if not self.key_value_memory_dict:
+            raise ValueError("swap_key_value_dict: the key/value cache is empty")
+        for layer_number, (key, value) in self.key_value_memory_dict.items():
+            self.key_value_memory_dict[layer_number] = (key[:, batch_idx], value[:, batch_idx])
+
+    def reset(self) -> None:
+        """Start a new batch: offsets back to 0, cache kept allocated."""
+        self.sequence_len_offset = 0
+        self.batch_size_offset = 0
+        self.decode_mode = False
+
+    def _memory(self, layer_number: int, key: torch.Tensor):
+        memory = self.key_value_memory_dict.get(layer_number)
+        if memory is None or memory[0].dtype != key.dtype or memory[0].device != key.device:
+            shape = (self.max_sequence_length, self.max_batch_size, key.size(2), key.size(3))
+            memory = (torch.empty(shape, dtype=key.dtype, device=key.device),
+                      torch.empty(shape, dtype=key.dtype, device=key.device))
+            self.key_value_memory_dict[layer_number] = memory
+        return memory
+
+    def attend(self, layer_number, query, key, value, rotary_pos_emb, softmax_scale, config):
+        """query [sq, b, np, hn], key/value [sq, b, ng, hn] -> [sq, b, np * hn]."""
+        sq, b = query.shape[0], query.shape[1]
+        start, end = self.sequence_len_offset, self.sequence_len_offset + sq
+        rows = slice(self.batch_size_offset, self.batch_size_offset + b)
+        if end > self.max_sequence_length or rows.stop > self.max_batch_size:
+            raise ValueError(
+                f"the static inference cache holds {self.max_sequence_length} tokens x {self.max_batch_size} rows; "
+                f"this forward needs columns up to {end} and rows up to {rows.stop}: raise "
+                f"--inference-max-seq-length / --inference-max-requests"
+            )
+        table = rotary_table(rotary_pos_emb)
+        query, key = rotate(query, key, None if table is None else table[start:end], config)
+        key_memory, value_memory = self._memory(layer_number, key)
+        key_memory[start:end, rows] = key
+        value_memory[start:end, rows] = value
+        keys, values = key_memory[:end, rows], value_memory[:end, rows]  # [end, b, ng, hn]
+        allowed = None
+        if sq > 1:  # column start + i sees columns 0 .. start + i
+            q_pos = torch.arange(start, end, device=query.device)
+            allowed = (torch.arange(end, device=query.device)[None, :] <= q_pos[:, None]).view(1, 1, sq, end)
+        out = attend_padded(query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), allowed,
+                            softmax_scale)  # [b, sq, np, hn]
+        return out.transpose(0, 1).reshape(sq, b, -1)  # [b, sq, np, hn] -> [sq, b, np*hn]
+
+    def last_token_hidden_states(self, hidden_states):
+        """[s, b, h] -> [1, b, h]."""
+        return hidden_states[-1:]
+
+    def __str__(self) -> str:
+        return (
+            f"StaticInferenceContext(max_seq_len={self.max_sequence_length}, max_batch_size={self.max_batch_size}, "
+            f"sequence_len_offset={self.sequence_len_offset}, batch_size_offset={self.batch_size_offset})"
+        )
+
+
+__all__ = ["StaticInferenceContext"]

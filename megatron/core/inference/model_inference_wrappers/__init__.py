@@ -1,0 +1,1 @@
+"""Model wrappers of the inference engines."""

@@ -1,0 +1,1 @@
+"""GPT inference wrapper."""

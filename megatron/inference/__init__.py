@@ -1,0 +1,1 @@
+"""Megatron-LM's serving layer: the REST text-generation server over Megatron Core's inference engine."""

@@ -1,0 +1,1 @@
+"""Request parsing of the REST server's routes."""

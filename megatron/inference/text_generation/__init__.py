@@ -1,0 +1,1 @@
+"""Glue between the REST server and the inference engine."""
