@@ -24,6 +24,8 @@ from typing import List, Optional, Tuple
 
 import numpy
 
+from megatron.core.datasets._masked_mapping import build_mapping  # helpers.cpp holds it too
+
 _INT32_MAX = numpy.iinfo(numpy.int32).max
 # Documents per build_sample_idx chunk (its temporaries stay in the CPU cache).
 _SAMPLE_CHUNK = 1 << 15

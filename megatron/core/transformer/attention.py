@@ -282,4 +282,51 @@ class SelfAttention(Attention):
         return query, key, value
 
 
-__all__ = ["Attention", "SelfAttention", "SelfAttentionSubmodules", "CrossAttentionSubmodules", "layer_cp_comm_type"]
+class CrossAttention(Attention):
+    """Cross-attention (encoder-decoder models): queries from `hidden_states`, keys and values from the
+    encoder output `key_value_states` through one fused projection whose rows are, per head, [k | v]."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: CrossAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        cp_comm_type: Optional[str] = None,
+        model_comm_pgs=None,
+    ):
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type="cross",
+            cp_comm_type=cp_comm_type,
+            model_comm_pgs=model_comm_pgs,
+        )
+        if config.num_query_groups != config.num_attention_heads:
+            raise ValueError(
+                f"num_query_groups ({config.num_query_groups}) must equal num_attention_heads "
+                f"({config.num_attention_heads}) for cross attention: grouped-query cross attention is not "
+                "supported (as in Megatron-LM); drop --group-query-attention for encoder-decoder models."
+            )
+        common = dict(config=config, init_method=config.init_method, gather_output=False,
+                      bias=config.add_bias_linear, skip_bias_add=False, is_expert=False, tp_group=self.tp_group)
+        self.linear_q = build_module(submodules.linear_q, config.hidden_size, self.query_projection_size, **common)
+        self.linear_kv = build_module(submodules.linear_kv, config.hidden_size, 2 * self.kv_projection_size, **common)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None):
+        """Queries [sq, b, np, hn] from `hidden_states`; keys and values [sk, b, np, hn] from `key_value_states`."""
+        if key_value_states is None:
+            raise ValueError("CrossAttention needs key_value_states (the encoder output passed as `context`).")
+        np_, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
+        mixed_kv, _ = self.linear_kv(key_value_states)
+        mixed_kv = mixed_kv.view(*mixed_kv.shape[:-1], np_, 2 * hn)  # [sk, b, np*2*hn] -> [sk, b, np, 2*hn]
+        key, value = torch.split(mixed_kv, [hn, hn], dim=-1)
+        query, _ = self.linear_q(hidden_states)
+        query = query.view(*query.shape[:-1], np_, hn)  # [sq, b, np*hn] -> [sq, b, np, hn]
+        return query, key, value
+
+
+__all__ = ["Attention", "SelfAttention", "CrossAttention", "SelfAttentionSubmodules", "CrossAttentionSubmodules",
+           "layer_cp_comm_type"]

@@ -100,6 +100,9 @@ class DotProductAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, hn] -> [b, n, s, hn]
         if self.softmax_in_fp32 and q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
+        if attention_bias is not None and attention_mask is None and attn_mask_type == AttnMaskType.causal:
+            # an additive bias (T5's relative positions) replaces SDPA's causal flag: mask the future explicitly
+            attention_mask = torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         mask = self._sdpa_mask(attention_mask, attention_bias, attn_mask_type, q.dtype)
         is_causal = mask is None and attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         dropout_p = self.dropout_p if self.training else 0.0
