@@ -244,6 +244,13 @@ class _TextStream:
         self.handler.close_connection = True
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    """Threaded server with a listen backlog for bursts of clients (the default of 5 resets connections)."""
+
+    request_queue_size = 256
+    daemon_threads = True
+
+
 class MegatronServer:
     """The REST server over a `StaticInferenceEngine` (Megatron's `MegatronServer(engine, args)`)."""
 
@@ -256,8 +263,7 @@ class MegatronServer:
         self.httpd: Optional[ThreadingHTTPServer] = None
 
     def _build(self, host: str, port: int) -> ThreadingHTTPServer:
-        httpd = ThreadingHTTPServer((host, port), _Handler)
-        httpd.daemon_threads = True
+        httpd = _HTTPServer((host, port), _Handler)
         controller = self.engine.text_generation_controller
         httpd.engine = self.engine
         httpd.tokenizer = controller.tokenizer
