@@ -214,3 +214,16 @@ def repo_root():
 
 def python_executable():
     return sys.executable
+
+
+def tp_slice(param, full):
+    """This rank's tensor-parallel shard of `full` (the single-process tensor) for `param`, or `full` itself
+    when `param` is not split over tensor parallelism."""
+    import torch
+
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    return torch.chunk(full, tp, dim=param.partition_dim)[rank]

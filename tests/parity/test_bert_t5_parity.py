@@ -22,7 +22,7 @@ from megatron.core.models.T5.t5_model import T5Model
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.harness import run_on_ranks
+from tests.harness import run_on_ranks, tp_slice
 
 VOCAB, SEQ, DEC_SEQ, MBS, HIDDEN, HEADS, MICROBATCHES = 64, 16, 8, 2, 32, 4, 2
 CASES = [dict(name="bert-tp2", model="bert", tp=2, pp=1), dict(name="bert-pp2", model="bert", tp=1, pp=2),
@@ -128,13 +128,6 @@ def _reference_name(model, name):
     return ".".join(parts)
 
 
-def _tp_slice(param, full):
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    return torch.chunk(full, tp, dim=param.partition_dim)[rank]
-
-
 def _parallel(case, state):
     parallel_state.initialize_model_parallel(case["tp"], case["pp"])
     model_parallel_cuda_manual_seed(11)
@@ -142,7 +135,7 @@ def _parallel(case, state):
     model = _build(case, config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_tp_slice(param, state[_reference_name(model, name)]))
+            param.copy_(tp_slice(param, state[_reference_name(model, name)]))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync

@@ -22,7 +22,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.harness import run_on_ranks
+from tests.harness import run_on_ranks, tp_slice
 from tests.unit.transformer.model_setup import apply_plan
 
 VOCAB, SEQ, MBS, HIDDEN, HEADS = 128, 16, 2, 32, 4
@@ -109,13 +109,6 @@ def _reference_name(module, name, tied):
     return ".".join(parts)
 
 
-def _tp_slice(param, full):
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    return torch.chunk(full, tp, dim=param.partition_dim)[rank]
-
-
 def _stage_chunks(case, config, reference_state):
     vp = case.get("vp")
     chunks = []
@@ -130,7 +123,7 @@ def _stage_chunks(case, config, reference_state):
         apply_plan(model)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                param.copy_(_tp_slice(param, reference_state[_reference_name(model, name, case["tied"])]))
+                param.copy_(tp_slice(param, reference_state[_reference_name(model, name, case["tied"])]))
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=case.get("overlap", False))
         chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0))
     return chunks

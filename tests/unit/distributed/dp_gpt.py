@@ -16,6 +16,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.harness import tp_slice
 
 VOCAB, SEQ, MBS, HIDDEN, HEADS, LAYERS = 128, 16, 2, 32, 4, 4
 MICROBATCHES, STEPS, LR = 4, 3, 0.1
@@ -121,13 +122,6 @@ def _reference_name(module, name):
     return ".".join(parts)
 
 
-def _tp_slice(param, full):
-    if not getattr(param, "tensor_model_parallel", False):
-        return full
-    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    return torch.chunk(full, tp, dim=param.partition_dim)[rank]
-
-
 def parallel_run(initial, ddp_kwargs, tp, pp, sp=False):
     """Train a TP x PP stage from the reference's initial weights (parallel_state must be initialised);
     returns (losses on the last stage or None, {reference name: (this rank's param, reference slice fn)})."""
@@ -140,7 +134,7 @@ def parallel_run(initial, ddp_kwargs, tp, pp, sp=False):
     )
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_tp_slice(param, initial[_reference_name(model, name)]))
+            param.copy_(tp_slice(param, initial[_reference_name(model, name)]))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_kwargs), model)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
@@ -159,6 +153,6 @@ def compare_params(params, final):
     """Largest relative difference of this rank's (sliced) params against the reference's final params."""
     worst = 0.0
     for ref_name, (value, param) in params.items():
-        expected = _tp_slice(param, final[ref_name])
+        expected = tp_slice(param, final[ref_name])
         worst = max(worst, ((value - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item())
     return worst
