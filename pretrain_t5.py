@@ -24,9 +24,26 @@ from pretrain_gpt import loss_func
 BATCH_KEYS = ["text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask"]
 
 
+def check_pipeline_layout(args) -> None:
+    """Refuse T5 with pipeline parallelism, as Megatron does without its deprecated encoder-pipeline flag.
+
+    Megatron 0.13.1's `pretrain_t5.py` asserts `--encoder-pipeline-model-parallel-size > 0` whenever
+    `--pipeline-model-parallel-size > 1` ("Need to know how to shard the encoder & decoder."); that flag is
+    rejected here, so every T5 pipeline layout is refused with the fix.
+    """
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: T5 cannot be pipelined. "
+            "Megatron-LM 0.13.1 needs --encoder-pipeline-model-parallel-size > 0 to split an encoder-decoder "
+            "model over stages (\"Need to know how to shard the encoder & decoder.\"), and that deprecated flag "
+            "is not supported here. Fix: use --pipeline-model-parallel-size 1 and scale T5 with "
+            "--tensor-model-parallel-size (and --sequence-parallel) and data parallelism.")
+
+
 def model_provider(pre_process=True, post_process=True, add_encoder=True, add_decoder=True, vp_stage=None) -> T5Model:
     """Build the T5 model (local or Transformer Engine block specs from --transformer-impl)."""
     args = get_args()
+    check_pipeline_layout(args)
     print_rank_0("building T5 model ...")
     config = core_transformer_config_from_args(args)
     encoder_config = deepcopy(config)

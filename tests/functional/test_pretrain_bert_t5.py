@@ -64,3 +64,29 @@ def test_t5_tp2_megatron_command_line_and_exact_resume_from_torch_dist(corpus, t
     vocab, data = corpus
     flags = _t5_flags(vocab, data, str(tmp_path / "ckpt"), str(tmp_path / "cache"))
     _resume_is_exact("pretrain_t5.py", flags, 2, {"lm loss"})
+
+
+def test_t5_with_pipeline_parallelism_is_refused_as_megatron_does(corpus, tmp_path):
+    vocab, data = corpus
+    flags = _t5_flags(vocab, data, str(tmp_path / "ckpt"), str(tmp_path / "cache"))
+    at = flags.index("--tensor-model-parallel-size")
+    flags[at:at + 2] = ["--pipeline-model-parallel-size", "2"]
+    result = run_pretrain(flags, nproc=2, script="pretrain_t5.py", timeout=120)
+    assert result.returncode != 0
+    assert "--pipeline-model-parallel-size 2: T5 cannot be pipelined" in result.output, result.output[-3000:]
+    assert "--encoder-pipeline-model-parallel-size" in result.output
+
+
+def test_t5_tp4_megatron_command_line_runs(corpus, tmp_path):
+    """Megatron's T5 TP=4 functional case (tiny: 4 heads, one per rank), two iterations, saved as torch_dist."""
+    vocab, data = corpus
+    flags = _t5_flags(vocab, data, str(tmp_path / "ckpt"), str(tmp_path / "cache"))
+    at = flags.index("--tensor-model-parallel-size")
+    flags[at + 1] = "4"
+    at = flags.index("--train-iters")
+    flags[at + 1] = "2"
+    result = run_pretrain(flags, nproc=4, script="pretrain_t5.py", timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    assert len(result.iterations) == 2 and not result.unmatched_log_lines, result.output[-3000:]
+    assert set(result.iterations[0]["loss_values"]) == {"lm loss"}
+    assert (tmp_path / "ckpt" / "iter_0000002").is_dir()

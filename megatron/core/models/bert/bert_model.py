@@ -4,7 +4,9 @@ Megatron Core's signature, module names and state-dict keys (`embedding.*`, `enc
 `output_layer.bias` (+ `.weight` when untied), `pooler.dense.*`, `binary_head.*`). The padding mask
 [b, s] (1 = real token) becomes Megatron's boolean key mask [b, 1, 1, s] (True = masked; the form Megatron
 passes Transformer Engine >= 1.10): every real token attends to every real token; rows of padded queries
-are never read by the loss, the pooler (token 0) or the next layer's real tokens.
+are never read by the loss, the pooler (token 0) or the next layer's real tokens. A batch without padding
+passes no mask at all (`attention_mask=None`, non-causal), so SDPA runs its flash kernel; a padded batch
+keeps the broadcast [b, 1, 1, s] key mask (memory-efficient / cuDNN kernels; no [b, 1, s, s] mask is built).
 """
 from typing import Literal, Optional
 
@@ -98,6 +100,16 @@ class BertModel(LanguageModule):
         return attention_mask[:, None, None, :] < 0.5  # [b, s] -> [b, 1, 1, s]
 
     @staticmethod
+    def encoder_attention_mask(attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
+        """The key mask the encoder gets: None when no row has padding (attention over all tokens is then
+        the same, and SDPA can use its flash kernel), else `bert_extended_attention_mask`. The check reads
+        one value on the host; it is skipped (mask kept) while compiling or capturing a CUDA graph."""
+        capturing = attention_mask.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not torch.compiler.is_compiling() and bool(attention_mask.bool().all()):
+            return None
+        return BertModel.bert_extended_attention_mask(attention_mask)
+
+    @staticmethod
     def bert_position_ids(token_ids: torch.Tensor) -> torch.Tensor:
         """Positions 0..s-1 of every row: [b, s]."""
         seq_length = token_ids.size(1)
@@ -116,7 +128,7 @@ class BertModel(LanguageModule):
                 lm_labels: torch.Tensor = None, inference_params=None):
         """(per-token LM loss [b, s] with `lm_labels`, else logits [b, s, V/TP]; binary logits [b, 2] or None);
         hidden states [s, b, h] on stages before the last."""
-        extended_attention_mask = self.bert_extended_attention_mask(attention_mask)
+        extended_attention_mask = self.encoder_attention_mask(attention_mask)
         encoder_input = None
         if self.pre_process:
             encoder_input = self.embedding(input_ids=input_ids, position_ids=self.bert_position_ids(input_ids),
