@@ -36,6 +36,7 @@ TRANSFORMER_RENAMES = {
     "output_layer_init_method": "xavier_uniform_ with --init-method-xavier-uniform, else scaled normal",
     "num_query_groups": "num_query_groups only with --group-query-attention, else None",
     "cp_comm_type": "a scalar when exactly one --cp-comm-type is given",
+    "use_mamba_mem_eff_path": "not disable_mamba_mem_eff_path",
 }
 
 _HOOK = "a hook the training loop sets on the config (no flag)"
@@ -72,7 +73,6 @@ TRANSFORMER_RUNTIME_ONLY = {
     "cuda_graph_retain_backward_graph": "CUDA graph option without a flag",
     "disable_parameter_transpose_cache": "Transformer Engine option without a flag",
     "use_te_activation_func": "Transformer Engine option without a flag",
-    "use_mamba_mem_eff_path": "Mamba option (Mamba flags are rejected)",
     "heterogeneous_block_specs": "set by HeterogeneousTransformerConfig (--heterogeneous-layers-config-path)",
     "hetereogenous_dist_checkpoint": "no Megatron flag; heterogeneous configs always save per-layer keys",
 }
@@ -130,6 +130,7 @@ def _transformer_renames(args) -> Dict[str, Any]:
         "num_layers_in_last_pipeline_stage": args.decoder_last_pipeline_num_layers,
         "fp8_param": args.fp8_param_gather,
         "num_query_groups": args.num_query_groups if args.group_query_attention else None,
+        "use_mamba_mem_eff_path": not args.disable_mamba_mem_eff_path,
     }
     kwargs.update(_activation_kwargs(args))
     if args.init_method_xavier_uniform:

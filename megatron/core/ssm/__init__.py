@@ -1,0 +1,1 @@
+"""Mamba-2 / SSM layers (Megatron Core path `megatron.core.ssm`)."""

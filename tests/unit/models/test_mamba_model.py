@@ -1,0 +1,126 @@
+"""Hybrid layer allocation (Megatron's examples), flag validation, the mixer against a step-by-step reference
+written here, and the model's state-dict keys."""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+from megatron.core.models.mamba.mamba_model import MambaModel
+from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.arguments.validate_mamba import validate_mamba
+
+
+@pytest.mark.parametrize("n,ra,rm,expected", [(10, 0.2, 0.0, "MMM*MM*MMM"), (10, 0.0, 0.3, "MM-MMM-MM-"),
+                                              (10, 0.1, 0.1, "MMMMM*MMM-"), (12, 0.25, 0.25, "MM*-MM*-M*M-")])
+def test_allocation_matches_megatron_examples(n, ra, rm, expected):
+    assert "".join(allocate_layers(n, ra, rm)) == expected
+
+
+def test_override_pattern_rules():
+    assert "".join(allocate_layers(4, 0.0, 0.0, "M*-M")) == "M*-M"
+    with pytest.raises(ValueError, match="--hybrid-override-pattern has 3 symbols"):
+        allocate_layers(4, 0.0, 0.0, "M*M")
+    with pytest.raises(ValueError, match="'E'"):
+        allocate_layers(4, 0.0, 0.0, "MEMM")
+    with pytest.raises(ValueError, match="--hybrid-attention-ratio gives 2"):
+        allocate_layers(10, 0.2, 0.0, "MMMM*MMMMM")
+
+
+def test_validation_collects_mamba_problems():
+    args = types.SimpleNamespace(spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"],
+                                 is_hybrid_model=False, hybrid_override_pattern="M*M", hybrid_attention_ratio=0.0,
+                                 hybrid_mlp_ratio=0.0, num_layers=4, pipeline_model_parallel_size=3,
+                                 num_layers_per_virtual_pipeline_stage=None, context_parallel_size=1,
+                                 hidden_size=32, mamba_head_dim=8, mamba_num_groups=3, mamba_state_dim=8,
+                                 mamba_num_heads=None, tensor_model_parallel_size=2)
+    problems = validate_mamba(args)
+    text = " ".join(problems)
+    assert "--hybrid-override-pattern has 3 symbols" in text
+    assert "--pipeline-model-parallel-size (3)" in text
+    assert "--mamba-num-groups (3) must be divisible by --tensor-model-parallel-size (2)" in text
+    args.spec, args.hybrid_override_pattern = ["local"], None
+    assert validate_mamba(args) == []
+
+
+def _config(**kw):
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, mamba_state_dim=8, mamba_head_dim=8,
+                mamba_num_groups=2, use_cpu_initialization=True, normalization="RMSNorm", add_bias_linear=False,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _naive_mixer(mixer, x):
+    """The Mamba-2 mixer, one time step at a time, in float64. x [s, b, h] -> [s, b, h]."""
+    d = {k: v.double() for k, v in mixer.state_dict().items() if not k.endswith("_extra_state")}
+    s, b, _ = x.shape
+    xn = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + mixer.config.layernorm_epsilon)
+    zxbcdt = (xn * d["in_proj.layer_norm_weight"]) @ d["in_proj.weight"].T  # [s, b, rows]
+    di, g, n, h, p = mixer.d_inner, mixer.ngroups, mixer.d_state, mixer.nheads, mixer.headdim
+    z, xbc, dt = zxbcdt[..., :di], zxbcdt[..., di:2 * di + 2 * g * n], zxbcdt[..., 2 * di + 2 * g * n:]
+    w, wb = d["conv1d.weight"][:, 0, :], d["conv1d.bias"]
+    conv = torch.zeros_like(xbc)
+    for t in range(s):
+        for j in range(w.shape[1]):
+            src = t - (w.shape[1] - 1) + j
+            if src >= 0:
+                conv[t] += w[:, j] * xbc[src]
+    u = F.silu(conv + wb)
+    xs, Bs, Cs = u[..., :di], u[..., di:di + g * n], u[..., di + g * n:]
+    A = -torch.exp(d["A_log"])
+    state = torch.zeros(b, h, p, n, dtype=torch.float64)
+    ys = []
+    for t in range(s):
+        delta = F.softplus(dt[t] + d["dt_bias"])  # [b, h]
+        xh = xs[t].reshape(b, h, p)
+        Bh = Bs[t].reshape(b, g, n).repeat_interleave(h // g, dim=1)
+        Ch = Cs[t].reshape(b, g, n).repeat_interleave(h // g, dim=1)
+        state = torch.exp(delta * A)[..., None, None] * state + delta[..., None, None] * xh[..., None] * Bh[:, :, None]
+        ys.append(((state * Ch[:, :, None]).sum(-1) + d["D"][:, None] * xh).reshape(b, di))
+    y = torch.stack(ys) * F.silu(z)
+    yg = y.reshape(s, b, g, di // g)
+    y = (yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(s, b, di) * d["norm.weight"]
+    return y @ d["out_proj.weight"].T
+
+
+@pytest.mark.parametrize("mem_eff", [True, False])
+def test_mixer_equals_step_by_step_reference(mem_eff):
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = MambaModel(_config(use_mamba_mem_eff_path=mem_eff), mamba_stack_spec, vocab_size=64,
+                       max_sequence_length=16, hybrid_override_pattern="M*M-")
+    mixer = model.decoder.layers[0].mixer
+    mixer.chunk_size = 4  # several chunks over 11 steps
+    x = torch.randn(11, 2, 32)
+    out, bias = mixer(x)
+    assert bias is None
+    torch.testing.assert_close(out.double(), _naive_mixer(mixer, x), rtol=1e-4, atol=1e-5)
+
+
+def test_model_keys_and_backward():
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = MambaModel(_config(), mamba_stack_spec, vocab_size=64, max_sequence_length=16,
+                       hybrid_override_pattern="M*M-", position_embedding_type="learned_absolute",
+                       share_embeddings_and_output_weights=True)
+    keys = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    for key in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                "decoder.layers.0.mixer.in_proj.layer_norm_weight", "decoder.layers.0.mixer.in_proj.weight",
+                "decoder.layers.0.mixer.conv1d.weight", "decoder.layers.0.mixer.conv1d.bias",
+                "decoder.layers.0.mixer.dt_bias", "decoder.layers.0.mixer.A_log", "decoder.layers.0.mixer.D",
+                "decoder.layers.0.mixer.norm.weight", "decoder.layers.0.mixer.out_proj.weight",
+                "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+                "decoder.layers.3.mlp.linear_fc1.layer_norm_weight", "decoder.final_norm.weight"):
+        assert key in keys, key
+    assert "output_layer.weight" not in keys  # tied
+    mixer = model.decoder.layers[0].mixer
+    assert tuple(mixer.in_proj.weight.shape) == (2 * 64 + 2 * 2 * 8 + 8, 32)
+    assert tuple(mixer.conv1d.weight.shape) == (64 + 2 * 2 * 8, 1, 4)
+    ids = torch.randint(0, 64, (2, 16))
+    loss = model(ids, torch.arange(16)[None].expand(2, -1), None, labels=ids)
+    loss.mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
