@@ -72,4 +72,4 @@ def test_legacy_save_with_expert_tp_other_than_tp_is_refused():
                                    "--ckpt-format torch --save /tmp/unused", world_size=4))
     assert "--ckpt-format torch with --expert-tensor-parallel-size (2) != --tensor-model-parallel-size (1)" in problems
     validate_args(_args("--num-experts 4 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 "
-                        "--ckpt-format torch_dist --save /tmp/unused", world_size=4))
+                        "--ckpt-format torch_dist --save /tmp/unused --save-interval 5", world_size=4))
