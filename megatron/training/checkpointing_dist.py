@@ -34,7 +34,7 @@ import torch
 
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
-from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.safe_load import MEGATRON_CLASSES
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -275,6 +275,32 @@ def _rerun_request(load_rerun: bool, common: Dict[str, Any], stored: set) -> Opt
     return request if request["sharded"].unique_key in stored else None
 
 
+def _optimizer_chain_length(keys) -> int:
+    """How many chained optimizers wrote `keys` (Megatron prefixes each one's keys with `chained_<i>.` when
+    there are several, e.g. dense and expert params at expert-parallel sizes > 1; one when unprefixed)."""
+    indices = {key.split(".", 1)[0][len("chained_"):] for key in keys if key.startswith("chained_")}
+    return max(len(indices), 1)
+
+
+def check_optimizer_chain(args, request_keys, stored: set, checkpoint_dir: str) -> None:
+    """RuntimeError naming the layouts and the fix when this run's optimizer is split into another number of
+    chained optimizers than the checkpoint's (Megatron cannot load those either: the keys differ)."""
+    stored_optim = [k for k in stored if k.startswith("chained_") or k.startswith("optimizer.")]
+    wanted_optim = [k for k in request_keys if k.startswith("chained_") or k.startswith("optimizer.")]
+    if not stored_optim or not wanted_optim:
+        return
+    saved, wanted = _optimizer_chain_length(stored_optim), _optimizer_chain_length(wanted_optim)
+    if saved == wanted:
+        return
+    raise RuntimeError(
+        f"checkpoint {checkpoint_dir} holds the state of {saved} chained optimizer(s) but this run builds {wanted} "
+        f"(--expert-model-parallel-size {getattr(args, 'expert_model_parallel_size', 1)}): dense and expert "
+        f"params get separate optimizers when the expert data-parallel group differs from the data-parallel "
+        f"group, so this optimizer state cannot be resharded to this layout. Load it at the expert-parallel "
+        f"layout it was saved with, or pass --no-load-optim to load the weights only (they reshard across EP "
+        f"and ETP).")
+
+
 def load_sharded(args, model, optimizer, opt_param_scheduler, checkpoint_dir: str, load_optim: bool,
                  load_rng: bool, local_rng_state: Dict, strict: bool = True, load_rerun: bool = True):
     """Load a torch_dist checkpoint into `model` (and optimizer, RNG and rerun state when asked; RNG and rerun
@@ -303,6 +329,9 @@ def load_sharded(args, model, optimizer, opt_param_scheduler, checkpoint_dir: st
     for name in ("args", "checkpoint_version", "num_floating_point_operations_so_far", "opt_param_scheduler"):
         request.pop(name, None)
     _drop_absent_extra_states(request, stored)
+    if load_optim and "optimizer" in request:
+        optimizer_keys = [sh.key for sh in nested_values(request["optimizer"]) if hasattr(sh, "key")]
+        check_optimizer_chain(args, optimizer_keys, stored, checkpoint_dir)
     loaded = dist_checkpointing.load(request, checkpoint_dir, strict=args.dist_ckpt_strictness)
     if isinstance(loaded, tuple):
         loaded = loaded[0]

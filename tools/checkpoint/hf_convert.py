@@ -5,7 +5,8 @@
         [--target-tensor-parallel-size 2] [--target-pipeline-parallel-size 2]
 
 Supported: Llama / Mistral / Qwen2 (qkv bias) / Qwen3 (qk-norm) style models (RoPE, RMSNorm, SwiGLU,
-GQA, tied or untied) and GPT-2 (learned positions, LayerNorm, GELU, biases). The HF side is a local
+GQA, tied or untied), GPT-2 (learned positions, LayerNorm, GELU, biases) and the MoE models Mixtral and
+Qwen3-MoE (SequentialMLP expert keys, EP=1 on the Megatron side; `hf_mapping_moe`). The HF side is a local
 directory with `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`);
 nothing is downloaded.
 """

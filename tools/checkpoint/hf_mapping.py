@@ -1,5 +1,5 @@
 """Parameter mapping between a full (TP=1, PP=1) Megatron GPT state dict (local-spec names) and a
-HuggingFace Llama-family or GPT-2 state dict.
+HuggingFace Llama-family, GPT-2, Mixtral or Qwen3-MoE state dict (MoE layers: `hf_mapping_moe`).
 
 Megatron layouts (spec §12.15): `linear_qkv` rows are grouped per query group as
 `[q_1 .. q_{np/ng}, k, v] * hn`; SwiGLU `linear_fc1` is `[gate; up]`. HF GPT-2 uses Conv1D, whose
@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 import torch
 
+from tools.checkpoint.hf_mapping_moe import is_moe_layer, moe_extra_state_keys, moe_layer_from_hf, moe_layer_to_hf
 from tools.checkpoint.model_description import ModelDescription, hf_architecture
 
 StateDict = Dict[str, torch.Tensor]
@@ -70,6 +71,9 @@ def _llama_layer_to_hf(sd: StateDict, i: int, desc: ModelDescription, out: State
         out[h + "self_attn.q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"]
         out[h + "self_attn.k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"]
     out[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
+    if is_moe_layer(desc, i):
+        moe_layer_to_hf(sd, i, desc, out)
+        return
     gate, up = torch.chunk(sd[m + "mlp.linear_fc1.weight"], 2, dim=0)
     out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
     out[h + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"]
@@ -93,6 +97,9 @@ def _llama_layer_from_hf(hf: StateDict, i: int, desc: ModelDescription, out: Sta
         out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
         out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
     out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+    if is_moe_layer(desc, i):
+        moe_layer_from_hf(hf, i, desc, out)
+        return
     out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
     out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
     if desc.add_bias_linear:
@@ -175,8 +182,11 @@ def hf_to_megatron(hf: StateDict, desc: ModelDescription, with_extra_state: bool
     for i in range(desc.num_layers):
         (_gpt2_layer_from_hf if gpt2 else _llama_layer_from_hf)(hf, i, desc, out)
         if with_extra_state:
-            for name in _LINEARS_WITH_EXTRA_STATE:
+            moe = is_moe_layer(desc, i)
+            for name in _LINEARS_WITH_EXTRA_STATE[:2] if moe else _LINEARS_WITH_EXTRA_STATE:
                 out[f"decoder.layers.{i}.{name}._extra_state"] = None
+            for key in moe_extra_state_keys(desc, i) if moe else []:
+                out[key] = None
     final = "transformer.ln_f." if gpt2 else "model.norm."
     out["decoder.final_layernorm.weight"] = hf[final + "weight"]
     if gpt2:

@@ -28,16 +28,23 @@ _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
+_EXPERT_RE = re.compile(r"\.mlp\.(experts\.local_experts\.\d+|shared_experts)\.linear_fc(1|2)\.weight$")
+
+
 def _split_dim(key: str) -> Optional[int]:
     if key.endswith(_COLUMN):
         return 0
     if key.endswith(_ROW):
         return 1
+    expert = _EXPERT_RE.search(key)  # expert TP = TP at EP=1: fc1 column-, fc2 row-parallel
+    if expert:
+        return 0 if expert.group(2) == "1" else 1
     return None
 
 
 def _is_swiglu_fc1(key: str, desc: ModelDescription) -> bool:
-    return desc.swiglu and key.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+    fc1 = key.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+    return desc.swiglu and (fc1 or (_EXPERT_RE.search(key) is not None and key.endswith("fc1.weight")))
 
 
 def read_tracker(load_dir: str) -> Tuple[str, Optional[int]]:

@@ -8,7 +8,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+from tools.checkpoint.hf_mapping_moe import moe_fields_from_hf_config, moe_hf_config, moe_megatron_args
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 @dataclass
@@ -57,6 +59,16 @@ class ModelDescription:
     """dtype name of the weights."""
     rope_scaling: Optional[dict] = None
     """HF rope_scaling dict (Llama 3 style) or None."""
+    num_experts: Optional[int] = None
+    """Routed experts per MoE layer (None: dense model)."""
+    moe_router_topk: int = 2
+    """Experts per token."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """MLP width of one expert (per gate/up half)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top k (no renormalization; Qwen3-MoE without norm_topk_prob)."""
+    moe_layer_freq: Optional[List[int]] = None
+    """1 (MoE) / 0 (dense) per layer; None: every layer is MoE."""
 
     @property
     def qkv_has_bias(self) -> bool:
@@ -96,8 +108,7 @@ def from_megatron_args(args: Any) -> ModelDescription:
         problems.append("--apply-layernorm-1p is not supported by the converter")
     if float(_get(args, "rotary_percent", 1.0)) != 1.0:
         problems.append(f"--rotary-percent {_get(args, 'rotary_percent')} (only 1.0 is supported)")
-    if int(_get(args, "num_experts", 0) or 0) > 0:
-        problems.append("MoE checkpoints (--num-experts) are not supported by the converter yet")
+    moe = _moe_fields_from_args(args, problems)
     if problems:
         raise ValueError("cannot convert this checkpoint: " + "; ".join(problems))
     rope_scaling = None
@@ -117,8 +128,30 @@ def from_megatron_args(args: Any) -> ModelDescription:
         rotary_base=float(_get(args, "rotary_base", 10000)),
         tie_embeddings=not bool(_get(args, "untie_embeddings_and_output_weights", False)),
         activation=activation, true_vocab_size=_get(args, "true_vocab_size"), params_dtype=_dtype_name(args),
-        rope_scaling=rope_scaling,
+        rope_scaling=rope_scaling, **moe,
     )
+
+
+def _moe_fields_from_args(args: Any, problems: List[str]) -> Dict[str, Any]:
+    """ModelDescription MoE fields of Megatron args; what the converter cannot express goes to `problems`."""
+    experts = int(_get(args, "num_experts", 0) or 0)
+    if experts == 0:
+        return {}
+    for name, flag in (("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+                       ("moe_router_num_groups", "--moe-router-num-groups")):
+        if _get(args, name):
+            problems.append(f"{flag} has no Mixtral / Qwen3-MoE equivalent here")
+    if _get(args, "moe_router_score_function", "softmax") != "softmax":
+        problems.append("--moe-router-score-function sigmoid has no Mixtral / Qwen3-MoE equivalent")
+    if _get(args, "moe_grouped_gemm", False):
+        problems.append("--moe-grouped-gemm checkpoints: convert from torch_dist (SequentialMLP keys) instead")
+    freq = _get(args, "moe_layer_freq", 1)
+    layers = int(_get(args, "num_layers"))
+    pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) else [int(f) for f in freq]
+    return {"num_experts": experts, "moe_router_topk": int(_get(args, "moe_router_topk", 2)),
+            "moe_ffn_hidden_size": int(_get(args, "moe_ffn_hidden_size", _get(args, "ffn_hidden_size"))),
+            "moe_router_pre_softmax": bool(_get(args, "moe_router_pre_softmax", False)),
+            "moe_layer_freq": None if all(pattern) else pattern}
 
 
 def to_megatron_args(desc: ModelDescription, tp: int = 1, pp: int = 1, iteration: int = 0) -> Dict[str, Any]:
@@ -141,6 +174,7 @@ def to_megatron_args(desc: ModelDescription, tp: int = 1, pp: int = 1, iteration
         "rope_scaling_factor": (desc.rope_scaling or {}).get("factor", 8.0),
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "iteration": iteration,
         "transformer_impl": "local", "consumed_train_samples": 0, "consumed_valid_samples": 0,
+        **moe_megatron_args(desc),
     }
 
 
@@ -165,6 +199,13 @@ def hf_architecture(desc: ModelDescription) -> str:
     ) if bad]
     if problems:
         raise ValueError("cannot export as a Llama-style model: " + "; ".join(problems))
+    if desc.num_experts:
+        if desc.qk_layernorm:
+            return "Qwen3MoeForCausalLM"
+        if desc.moe_layer_freq is not None or desc.qkv_has_bias or desc.moe_ffn_hidden_size != desc.ffn_hidden_size:
+            raise ValueError("an MoE model without qk layernorm exports as Mixtral, which has MoE in every layer, no "
+                             "linear biases and --moe-ffn-hidden-size == --ffn-hidden-size")
+        return "MixtralForCausalLM"
     if desc.qk_layernorm:
         return "Qwen3ForCausalLM"
     if desc.add_qkv_bias and not desc.add_bias_linear:
@@ -173,7 +214,7 @@ def hf_architecture(desc: ModelDescription) -> str:
 
 
 _MODEL_TYPES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3"}
+                "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 def to_hf_config(desc: ModelDescription) -> Dict[str, Any]:
@@ -197,8 +238,9 @@ def to_hf_config(desc: ModelDescription) -> Dict[str, Any]:
               "rope_scaling": desc.rope_scaling}
     if arch == "LlamaForCausalLM":
         config.update(attention_bias=desc.add_bias_linear, mlp_bias=desc.add_bias_linear)
-    if arch == "Qwen3ForCausalLM":
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         config.update(attention_bias=desc.qkv_has_bias)
+    config.update(moe_hf_config(desc) if desc.num_experts else {})
     return config
 
 
@@ -239,9 +281,10 @@ def from_hf_config(config: Dict[str, Any], make_vocab_size_divisible_by: Optiona
         max_position_embeddings=int(config["max_position_embeddings"]), normalization="RMSNorm",
         norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True,
         add_bias_linear=bias and model_type == "llama", add_qkv_bias=(model_type == "qwen2") or bias,
-        qk_layernorm=model_type == "qwen3", position_embedding_type="rope", rotary_base=float(rope_theta),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"), position_embedding_type="rope", rotary_base=float(rope_theta),
         tie_embeddings=tie, activation="silu", true_vocab_size=vocab, params_dtype=dtype,
-        rope_scaling=config.get("rope_scaling"))
+        rope_scaling=config.get("rope_scaling"),
+        **(moe_fields_from_hf_config(config) if model_type in ("mixtral", "qwen3_moe") else {}))
 
 
 def describe(desc: ModelDescription) -> List[str]:

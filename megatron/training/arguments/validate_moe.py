@@ -55,6 +55,11 @@ def _parallel_problems(args) -> List[str]:
     elif world % (etp * ep * pp) != 0:
         problems.append(f"--expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}) x "
                         f"--pipeline-model-parallel-size ({pp}) = {etp * ep * pp} must divide the world size ({world}).")
+    if args.num_experts is not None and etp != tp and args.ckpt_format == "torch" and args.save is not None:
+        problems.append(f"--ckpt-format torch with --expert-tensor-parallel-size ({etp}) != "
+                        f"--tensor-model-parallel-size ({tp}): the legacy files are named by the attention TP rank "
+                        f"(mp_rank_<tp>_<ep>), so expert TP shards would overwrite each other. Use --ckpt-format "
+                        f"torch_dist (reshardable) or an equal expert TP size.")
     if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
         problems.append(f"--num-experts with --tensor-model-parallel-size ({tp}) > 1 needs --sequence-parallel: the "
                         "MoE layers route each rank's sequence shard.")

@@ -65,3 +65,11 @@ def test_moe_flags_reach_the_transformer_config():
     assert config.moe_layer_freq == 2 and config.expert_model_parallel_size == 2
     assert config.moe_expert_capacity_factor is None  # negative: dropless
     assert config.recompute_granularity == "selective" and "moe" in config.recompute_modules
+
+
+def test_legacy_save_with_expert_tp_other_than_tp_is_refused():
+    problems = "\n".join(_problems("--num-experts 4 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 "
+                                   "--ckpt-format torch --save /tmp/unused", world_size=4))
+    assert "--ckpt-format torch with --expert-tensor-parallel-size (2) != --tensor-model-parallel-size (1)" in problems
+    validate_args(_args("--num-experts 4 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2 "
+                        "--ckpt-format torch_dist --save /tmp/unused --save-interval 5", world_size=4))
