@@ -109,6 +109,7 @@ def _parse(argv: Sequence[str], extra_args_provider: Optional[Callable] = None, 
     """
     parser = build_parser(extra_args_provider)
     argv, value_problems = list(argv), []
+    yaml_problems = _apply_yaml_cfg(parser, argv)
     while True:
         try:
             args, unknown = parser.parse_known_args(argv)
@@ -121,11 +122,24 @@ def _parse(argv: Sequence[str], extra_args_provider: Optional[Callable] = None, 
             argv = remaining
         except _ParseFailure as failure:
             raise ArgumentsError(value_problems + [str(failure)]) from None
-    unknown_problems = [] if ignore_unknown_args else describe_unknown_args(unknown, parser)
+    unknown_problems = yaml_problems + ([] if ignore_unknown_args else describe_unknown_args(unknown, parser))
     if value_problems:
         raise ArgumentsError(value_problems + unknown_problems)
     setattr(args, UNKNOWN_ARGS_ATTR, unknown_problems)
     return args
+
+
+def _apply_yaml_cfg(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
+    """With `--yaml-cfg FILE` in argv: the file's values become the parser's defaults (flags still win).
+    Returns the file's problems, reported with the others by `validate_args`."""
+    from megatron.training import yaml_arguments
+
+    path = yaml_arguments.yaml_cfg_path(argv)
+    if path is None:
+        return []
+    defaults, problems = yaml_arguments.load_yaml_defaults(path, parser)
+    parser.set_defaults(**defaults)
+    return problems
 
 
 def _drop_flag(argv: List[str], argument_name: Optional[str], parser) -> List[str]:
