@@ -292,19 +292,18 @@ class DynamicInferenceContext(BaseInferenceContext):
         c_b = batch_bucket(needed, max(self.chunks_per_request, needed))
         device = self.memory_buffer.device if device is None else device
         packed, last_index = self._static_step_buffers(r_b, c_b, device)
-        host = torch.zeros(r_b, 4 + c_b, dtype=torch.long)
-        host[:, 2] = self.chunk_allocator.dummy_chunk_idx
-        host[:, 4:] = self.chunk_allocator.dummy_chunk_idx
+        dummy = self.chunk_allocator.dummy_chunk_idx
+        fields_host = [[0] * r_b, [0] * r_b, [dummy] * r_b, [0] * r_b]
+        table_host = []
         for row, (state, _) in enumerate(scheduled):
             position = state.kv_length
-            host[row, 0] = state.tokens[position]
-            host[row, 1] = position
-            host[row, 2] = state.chunks[position // cs]
-            host[row, 3] = position % cs
+            fields_host[0][row], fields_host[1][row] = state.tokens[position], position
+            fields_host[2][row], fields_host[3][row] = state.chunks[position // cs], position % cs
             used = state.chunks[:c_b]
-            host[row, 4:4 + len(used)] = torch.tensor(used, dtype=torch.long)
-        columns = host.t().contiguous()  # [R_b, 4 + C_b] -> [4 + C_b, R_b]
-        packed.copy_(torch.cat([columns[:4].reshape(-1), host[:, 4:].reshape(-1)]))
+            table_host.extend(used + [dummy] * (c_b - len(used)))
+        table_host.extend([dummy] * (c_b * (r_b - rows)))
+        flat = fields_host[0] + fields_host[1] + fields_host[2] + fields_host[3] + table_host
+        packed.copy_(torch.tensor(flat, dtype=torch.long), non_blocking=False)
         fields = packed[:4 * r_b].view(4, r_b)  # [4 * R_b] -> [4, R_b]
         self.step_layout = _StepLayout(
             request_ids=[state.request_id for state, _ in scheduled], query_lengths=[1] * rows,
@@ -324,6 +323,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         """Record the step: cache lengths advance, sampled tokens ([R] per scheduled request) are appended for
         requests that finished their prompt; returns the ids of finished requests (memory released)."""
         finished = []
+        new_tokens = new_tokens.tolist() if torch.is_tensor(new_tokens) else list(new_tokens)  # one host sync
         for row, (state, count) in enumerate(self._scheduled):
             state.kv_length += count
             if state.kv_length < len(state.tokens):  # chunked prefill: more prompt next step

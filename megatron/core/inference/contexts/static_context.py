@@ -8,8 +8,9 @@ The caller advances `sequence_len_offset` after each forward.
 
 Static-shape decode (CUDA graphs, `megatron.core.inference.decode_graphs`): while `static_decode` is on, a
 one-column forward of `b` rows reads the column from the device tensor `decode_position` [1] instead of
-`sequence_len_offset`, writes its keys/values with `index_copy_` and attends over all `max_sequence_length`
-cached columns of rows `[0, b)` under a mask `column <= position` built on the device: no Python int of the
+`sequence_len_offset`, writes its keys/values with `index_copy_` and attends over the first `decode_window`
+cached columns of rows `[0, b)` (a power of two >= the column, at least 128, at most `max_sequence_length`:
+part of the graph key) under a mask `column <= position` built on the device: no Python int of the
 step reaches a kernel, so the step is the same kernels at the same addresses every time.
 """
 from typing import Dict, Tuple
@@ -18,6 +19,7 @@ import torch
 
 from megatron.core.inference.contexts.base_context import BaseInferenceContext
 from megatron.core.inference.contexts.kv_attention import attend_padded, rotary_table, rotate
+from megatron.core.inference.decode_graphs import batch_bucket
 
 
 class StaticInferenceContext(BaseInferenceContext):
@@ -33,6 +35,7 @@ class StaticInferenceContext(BaseInferenceContext):
         self.decode_mode = False
         self.static_decode = False
         self.decode_position = None
+        self.decode_window = max_sequence_length
         self.key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -117,6 +120,9 @@ class StaticInferenceContext(BaseInferenceContext):
         if self.decode_position is None or self.decode_position.device != torch.device(device):
             self.decode_position = torch.zeros(1, dtype=torch.long, device=device)
         self.decode_position.fill_(self.sequence_len_offset)
+        needed = self.sequence_len_offset + 1
+        self.decode_window = needed if needed >= self.max_sequence_length else \
+            batch_bucket(max(needed, min(128, self.max_sequence_length)), self.max_sequence_length)
         return self.decode_position
 
     def _attend_static_decode(self, layer_number, query, key, value, rotary_pos_emb, softmax_scale, config):
@@ -131,10 +137,11 @@ class StaticInferenceContext(BaseInferenceContext):
         key_memory, value_memory = self._memory(layer_number, key)
         key_memory[:, :b].index_copy_(0, position, key)
         value_memory[:, :b].index_copy_(0, position, value)
-        columns = torch.arange(self.max_sequence_length, device=query.device)
-        allowed = (columns <= position).view(1, 1, 1, -1)  # [S] -> [1, 1, 1, S]
-        out = attend_padded(query.transpose(0, 1), key_memory[:, :b].transpose(0, 1),
-                            value_memory[:, :b].transpose(0, 1), allowed, softmax_scale)  # [b, 1, np, hn]
+        window = self.decode_window
+        columns = torch.arange(window, device=query.device)
+        allowed = (columns <= position).view(1, 1, 1, window)  # [W] -> [1, 1, 1, W]
+        out = attend_padded(query.transpose(0, 1), key_memory[:window, :b].transpose(0, 1),
+                            value_memory[:window, :b].transpose(0, 1), allowed, softmax_scale)  # [b, 1, np, hn]
         return out.transpose(0, 1).reshape(1, b, -1)  # [b, 1, np, hn] -> [1, b, np*hn]
 
     def last_token_hidden_states(self, hidden_states):

@@ -126,7 +126,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
             finally:
                 context.static_decode = False
 
-        key = ("static", bucket, context.max_sequence_length, id(context), cache.data_ptr())
+        key = ("static", bucket, context.decode_window, id(context), cache.data_ptr())
         return self._runner().run(key, step)[:rows]
 
     def _dynamic_decode_step(self) -> torch.Tensor:
