@@ -15,6 +15,12 @@ the buffer holds `int(buffer_size_gb * 2**30) // chunk_size_bytes` chunks (the l
 the overrides replace them (rounded the same way) and `max_requests <= max_tokens`. The guaranteed reserve is
 `gtd_request_count = roundup4(min(max(1, requests fitting in the guaranteed fraction), max_requests))`
 requests of `ceil(max_sequence_length / chunk_size_tokens)` chunks each.
+
+Static-shape decode (`static_decode`, set by the wrapper under CUDA graphs): a step where every scheduled
+request feeds exactly one token is laid out in buffers of a (request bucket, chunk bucket) pair, both powers
+of two: token ids, positions, write chunk/offset and the chunk table live in one int64 device tensor per
+pair, refilled by one host-to-device copy; padding rows read and write the dummy chunk at position 0. The
+attention mask `key position <= query position` is then built on the device, so the step is graph-safe.
 """
 import math
 from collections import OrderedDict
@@ -26,6 +32,7 @@ import torch
 from megatron.core.inference.contexts.base_context import BaseInferenceContext
 from megatron.core.inference.contexts.dynamic_chunk_allocator import ChunkAllocator
 from megatron.core.inference.contexts.kv_attention import attend_padded, rotary_table, rotate
+from megatron.core.inference.decode_graphs import batch_bucket
 
 
 class ContextOverflowError(Exception):
@@ -75,8 +82,10 @@ class _StepLayout:
     chunk_table: torch.Tensor  # [R, C]
     query_slots: torch.Tensor  # [T] index into R * Qmax
     max_query: int
-    allowed: torch.Tensor  # [R, 1, Qmax, C * chunk]
+    allowed: Optional[torch.Tensor]  # [R, 1, Qmax, C * chunk]; None: built from positions (static decode)
     last_token_index: torch.Tensor  # [R]
+    graph_key: Optional[tuple] = None  # (request bucket, chunk bucket) of a static-shape decode step
+    input_ids: Optional[torch.Tensor] = None  # [R_b] token ids of a static-shape decode step
 
 
 class DynamicInferenceContext(BaseInferenceContext):
@@ -140,6 +149,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         )
         self.requests: "OrderedDict[int, _RequestState]" = OrderedDict()
         self.step_layout: Optional[_StepLayout] = None
+        self.static_decode = False
+        self._static_buffers = {}
 
     @property
     def max_sequence_length(self) -> int:
@@ -219,6 +230,9 @@ class DynamicInferenceContext(BaseInferenceContext):
     def initialize_step(self, device=None):
         """Lay out this step's tokens; returns (input_ids [1, T], position_ids [1, T])."""
         scheduled = self._schedule()
+        if self.static_decode and all(count == 1 and state.kv_length + 1 == len(state.tokens)
+                                      for state, count in scheduled):
+            return self._initialize_static_decode_step(scheduled, device)
         cs = self.chunk_size_tokens
         ids, positions, chunks_of, offsets, slots = [], [], [], [], []
         max_query = max(count for _, count in scheduled)
@@ -259,6 +273,48 @@ class DynamicInferenceContext(BaseInferenceContext):
         input_ids = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)  # [T] -> [1, T]
         return input_ids, self.step_layout.positions.unsqueeze(0)  # [T] -> [1, T]
 
+    def _static_step_buffers(self, requests: int, chunks: int, device):
+        """(packed [R_b * (4 + C_b)] int64, last_token_index [R_b]) of one bucket pair, allocated once."""
+        key = (requests, chunks)
+        entry = self._static_buffers.get(key)
+        if entry is None:
+            entry = (torch.zeros(requests * (4 + chunks), dtype=torch.long, device=device),
+                     torch.arange(requests, dtype=torch.long, device=device))
+            self._static_buffers[key] = entry
+        return entry
+
+    def _initialize_static_decode_step(self, scheduled, device):
+        """A decode-only step in the static buffers of its bucket pair; returns (input_ids, position_ids)."""
+        cs = self.chunk_size_tokens
+        rows = len(scheduled)
+        r_b = batch_bucket(rows, max(self.max_requests, rows))
+        needed = max(state.kv_length // cs + 1 for state, _ in scheduled)
+        c_b = batch_bucket(needed, max(self.chunks_per_request, needed))
+        device = self.memory_buffer.device if device is None else device
+        packed, last_index = self._static_step_buffers(r_b, c_b, device)
+        dummy = self.chunk_allocator.dummy_chunk_idx
+        fields_host = [[0] * r_b, [0] * r_b, [dummy] * r_b, [0] * r_b]
+        table_host = []
+        for row, (state, _) in enumerate(scheduled):
+            position = state.kv_length
+            fields_host[0][row], fields_host[1][row] = state.tokens[position], position
+            fields_host[2][row], fields_host[3][row] = state.chunks[position // cs], position % cs
+            used = state.chunks[:c_b]
+            table_host.extend(used + [dummy] * (c_b - len(used)))
+        table_host.extend([dummy] * (c_b * (r_b - rows)))
+        flat = fields_host[0] + fields_host[1] + fields_host[2] + fields_host[3] + table_host
+        packed.copy_(torch.tensor(flat, dtype=torch.long), non_blocking=False)
+        fields = packed[:4 * r_b].view(4, r_b)  # [4 * R_b] -> [4, R_b]
+        self.step_layout = _StepLayout(
+            request_ids=[state.request_id for state, _ in scheduled], query_lengths=[1] * rows,
+            positions=fields[1], write_chunks=fields[2], write_offsets=fields[3],
+            chunk_table=packed[4 * r_b:].view(r_b, c_b),  # [R_b * C_b] -> [R_b, C_b]
+            query_slots=None, max_query=1, allowed=None, last_token_index=last_index,
+            graph_key=(r_b, c_b), input_ids=fields[0],
+        )
+        self._scheduled = scheduled
+        return fields[0].unsqueeze(0), fields[1].unsqueeze(0)  # [R_b] -> [1, R_b]
+
     def sampling_request_ids(self) -> List[int]:
         """The scheduled requests whose last step token is the last known token (they get a new one)."""
         return [state.request_id for state, count in self._scheduled if state.kv_length + count == len(state.tokens)]
@@ -267,6 +323,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         """Record the step: cache lengths advance, sampled tokens ([R] per scheduled request) are appended for
         requests that finished their prompt; returns the ids of finished requests (memory released)."""
         finished = []
+        new_tokens = new_tokens.tolist() if torch.is_tensor(new_tokens) else list(new_tokens)  # one host sync
         for row, (state, count) in enumerate(self._scheduled):
             state.kv_length += count
             if state.kv_length < len(state.tokens):  # chunked prefill: more prompt next step
@@ -296,6 +353,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         v_memory[layout.write_chunks, layout.write_offsets] = value[:, 0].to(v_memory.dtype)
         rows, chunks = layout.chunk_table.shape
         heads, hn = k_memory.shape[-2:]
+        if layout.allowed is None:
+            return self._attend_static_decode(query, k_memory, v_memory, layout, softmax_scale)
         keys = k_memory[layout.chunk_table].view(rows, chunks * self.chunk_size_tokens, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
         values = v_memory[layout.chunk_table].view(rows, chunks * self.chunk_size_tokens, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
         padded = query.new_zeros(rows * layout.max_query, query.size(2), query.size(3))
@@ -304,6 +363,18 @@ class DynamicInferenceContext(BaseInferenceContext):
         out = attend_padded(padded, keys.to(query.dtype), values.to(query.dtype), layout.allowed, softmax_scale)
         out = out.reshape(rows * layout.max_query, -1)[layout.query_slots]  # [R, Q, np, hn] -> [T, np*hn]
         return out.unsqueeze(1)  # [T, np*hn] -> [T, 1, np*hn]
+
+    def _attend_static_decode(self, query, k_memory, v_memory, layout, softmax_scale):
+        """One token per row: query [R_b, 1, np, hn] over the rows' chunks -> [R_b, 1, np * hn]."""
+        rows, chunks = layout.chunk_table.shape
+        heads, hn = k_memory.shape[-2:]
+        span = chunks * self.chunk_size_tokens
+        keys = k_memory[layout.chunk_table].view(rows, span, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
+        values = v_memory[layout.chunk_table].view(rows, span, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
+        key_positions = torch.arange(span, device=query.device)
+        allowed = (key_positions[None, :] <= layout.positions[:, None]).view(rows, 1, 1, span)  # [R, K] -> [R, 1, 1, K]
+        out = attend_padded(query, keys.to(query.dtype), values.to(query.dtype), allowed, softmax_scale)
+        return out.reshape(rows, 1, -1)  # [R, 1, np, hn] -> [R, 1, np*hn]
 
     def last_token_hidden_states(self, hidden_states):
         """[T, 1, h] -> [R, 1, h]: the last token of every scheduled request."""

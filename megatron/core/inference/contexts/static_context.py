@@ -5,6 +5,13 @@ One batch of `max_batch_size` rows advances together: a forward feeds the column
 Per layer the cache is `key_value_memory_dict[layer_number] = (K, V)`, each
 `[max_sequence_length, max_batch_size, num_query_groups / TP, head_dim]`, allocated at the first forward.
 The caller advances `sequence_len_offset` after each forward.
+
+Static-shape decode (CUDA graphs, `megatron.core.inference.decode_graphs`): while `static_decode` is on, a
+one-column forward of `b` rows reads the column from the device tensor `decode_position` [1] instead of
+`sequence_len_offset`, writes its keys/values with `index_copy_` and attends over the first `decode_window`
+cached columns of rows `[0, b)` (a power of two >= the column, at least 128, at most `max_sequence_length`:
+part of the graph key) under a mask `column <= position` built on the device: no Python int of the
+step reaches a kernel, so the step is the same kernels at the same addresses every time.
 """
 from typing import Dict, Tuple
 
@@ -12,6 +19,7 @@ import torch
 
 from megatron.core.inference.contexts.base_context import BaseInferenceContext
 from megatron.core.inference.contexts.kv_attention import attend_padded, rotary_table, rotate
+from megatron.core.inference.decode_graphs import batch_bucket
 
 
 class StaticInferenceContext(BaseInferenceContext):
@@ -25,6 +33,9 @@ class StaticInferenceContext(BaseInferenceContext):
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
         self.decode_mode = False
+        self.static_decode = False
+        self.decode_position = None
+        self.decode_window = max_sequence_length
         self.key_value_memory_dict: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -72,14 +83,16 @@ class StaticInferenceContext(BaseInferenceContext):
         memory = self.key_value_memory_dict.get(layer_number)
         if memory is None or memory[0].dtype != key.dtype or memory[0].device != key.device:
             shape = (self.max_sequence_length, self.max_batch_size, key.size(2), key.size(3))
-            memory = (torch.empty(shape, dtype=key.dtype, device=key.device),
-                      torch.empty(shape, dtype=key.dtype, device=key.device))
+            memory = (torch.zeros(shape, dtype=key.dtype, device=key.device),
+                      torch.zeros(shape, dtype=key.dtype, device=key.device))
             self.key_value_memory_dict[layer_number] = memory
         return memory
 
     def attend(self, layer_number, query, key, value, rotary_pos_emb, softmax_scale, config):
         """query [sq, b, np, hn], key/value [sq, b, ng, hn] -> [sq, b, np * hn]."""
         sq, b = query.shape[0], query.shape[1]
+        if self.static_decode:
+            return self._attend_static_decode(layer_number, query, key, value, rotary_pos_emb, softmax_scale, config)
         start, end = self.sequence_len_offset, self.sequence_len_offset + sq
         rows = slice(self.batch_size_offset, self.batch_size_offset + b)
         if end > self.max_sequence_length or rows.stop > self.max_batch_size:
@@ -101,6 +114,35 @@ class StaticInferenceContext(BaseInferenceContext):
         out = attend_padded(query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), allowed,
                             softmax_scale)  # [b, sq, np, hn]
         return out.transpose(0, 1).reshape(sq, b, -1)  # [b, sq, np, hn] -> [sq, b, np*hn]
+
+    def set_decode_position(self, device) -> torch.Tensor:
+        """`decode_position` [1] (allocated once, then refilled) set to `sequence_len_offset`."""
+        if self.decode_position is None or self.decode_position.device != torch.device(device):
+            self.decode_position = torch.zeros(1, dtype=torch.long, device=device)
+        self.decode_position.fill_(self.sequence_len_offset)
+        needed = self.sequence_len_offset + 1
+        self.decode_window = needed if needed >= self.max_sequence_length else \
+            batch_bucket(max(needed, min(128, self.max_sequence_length)), self.max_sequence_length)
+        return self.decode_position
+
+    def _attend_static_decode(self, layer_number, query, key, value, rotary_pos_emb, softmax_scale, config):
+        """One column at `decode_position`: query [1, b, np, hn], key/value [1, b, ng, hn] -> [1, b, np * hn]."""
+        b = query.shape[1]
+        if query.shape[0] != 1 or b > self.max_batch_size or self.decode_position is None:
+            raise ValueError(f"static decode takes one column of at most {self.max_batch_size} rows with "
+                             f"decode_position set; got {tuple(query.shape[:2])}")
+        position = self.decode_position
+        table = rotary_table(rotary_pos_emb)
+        query, key = rotate(query, key, None if table is None else table.index_select(0, position), config)
+        key_memory, value_memory = self._memory(layer_number, key)
+        key_memory[:, :b].index_copy_(0, position, key)
+        value_memory[:, :b].index_copy_(0, position, value)
+        window = self.decode_window
+        columns = torch.arange(window, device=query.device)
+        allowed = (columns <= position).view(1, 1, 1, window)  # [W] -> [1, 1, 1, W]
+        out = attend_padded(query.transpose(0, 1), key_memory[:window, :b].transpose(0, 1),
+                            value_memory[:window, :b].transpose(0, 1), allowed, softmax_scale)  # [b, 1, np, hn]
+        return out.transpose(0, 1).reshape(1, b, -1)  # [b, 1, np, hn] -> [1, b, np*hn]
 
     def last_token_hidden_states(self, hidden_states):
         """[s, b, h] -> [1, b, h]."""

@@ -28,6 +28,8 @@ class DynamicInferenceEngine(AbstractEngine):
         self.context = context
         self.termination_id = termination_id
         self.enable_cuda_graph = enable_cuda_graph
+        if enable_cuda_graph:  # decode-only steps replay CUDA graphs per (request, chunk) bucket pair
+            controller.inference_wrapped_model.set_decode_graphs(True)
         self.random_seed = random_seed
         if random_seed is not None:
             torch.random.manual_seed(random_seed)

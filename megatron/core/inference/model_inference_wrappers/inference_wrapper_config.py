@@ -1,5 +1,6 @@
 """`InferenceWrapperConfig`: the model facts and sizes an inference wrapper needs (Megatron Core's fields)."""
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -31,6 +32,16 @@ class InferenceWrapperConfig:
 
     nccl_all_reduce_for_prefill: bool = False
     """Use NCCL instead of symmetric-memory all-reduces during prefill (no effect here: always NCCL/gloo)."""
+
+    enable_cuda_graph: Optional[bool] = None
+    """Replay decode steps as CUDA graphs per batch-size bucket (None: the model config's `enable_cuda_graph`,
+    i.e. `--enable-cuda-graph`, as in Megatron). Off CUDA the same static-shape decode step runs eagerly."""
+
+    cuda_graph_warmup_steps: int = 2
+    """Eager runs of a decode step on a side stream before its graph is captured."""
+
+    compile_decode_step: bool = False
+    """`torch.compile` the static-shape decode step (fuses its elementwise kernels; inside the graph on CUDA)."""
 
     def add_attributes(self, attribute_value_pair: dict) -> None:
         """Attach extra attributes."""

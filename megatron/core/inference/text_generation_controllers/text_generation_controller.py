@@ -17,6 +17,33 @@ from megatron.core.inference.sampling import sample_from_logits
 from megatron.core.inference.sampling_params import SamplingParams
 
 
+class _LaggedFlag:
+    """A device boolean read one step late on CUDA (no host sync per token), at once elsewhere.
+
+    `update(flag)` starts copying `flag` to pinned host memory and returns the value copied at the previous
+    call: the loop stops one step after every row is done, and that extra step only writes columns past
+    each row's generated length, which are never read."""
+
+    def __init__(self, device: torch.device):
+        self.lagged = device.type == "cuda"
+        self._host = torch.zeros(2, dtype=torch.bool, pin_memory=True) if self.lagged else None
+        self._event = None
+        self._slot = 0
+
+    def update(self, flag: torch.Tensor) -> bool:
+        if not self.lagged:
+            return bool(flag)
+        previous = False
+        if self._event is not None:
+            self._event.synchronize()
+            previous = bool(self._host[1 - self._slot])
+        self._host[self._slot].copy_(flag, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._slot = 1 - self._slot
+        return previous
+
+
 class TextGenerationController:
     """Turns requests into tokens with an inference-wrapped model and a tokenizer."""
 
@@ -102,7 +129,9 @@ class TextGenerationController:
         top_n: List[List[Dict[str, float]]] = [[] for _ in range(batch)]
         done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
         gen_len = torch.zeros(batch, dtype=torch.long, device=tokens.device)
-        start, end = 0, int(lengths.min()) if num_tokens > 0 else max_len
+        host_lengths = [len(r.prompt_tokens) for r in requests]
+        all_done = _LaggedFlag(tokens.device)
+        start, end = 0, min(host_lengths) if num_tokens > 0 else max_len
         while True:
             window = wrapper.get_batch_for_context_window(inference_input, start, end)
             logits = wrapper.run_one_forward_step(window)  # [b, end - start or 1, V]
@@ -110,7 +139,7 @@ class TextGenerationController:
                 started = lengths <= end
                 last = logits[:, -1, :]
                 sampled = self.sample_from_logits(last, params)
-                tokens[started, end] = sampled[started]
+                tokens[:, end] = torch.where(started, sampled, tokens[:, end])
                 if params.top_n_logprobs and not want_prompt_scores:
                     for row, entry in enumerate(self._top_n(torch.log_softmax(last.float(), -1), params.top_n_logprobs)):
                         if bool(started[row]):
@@ -120,9 +149,9 @@ class TextGenerationController:
                 self._stream(requests, tokens, lengths, gen_len, num_tokens)
             if want_prompt_scores:  # after the write: column `end` is a target of this window
                 self._record_log_probs(logits, tokens, start, end, log_probs, top_n, params)
-            if end + 1 > max_len - 1 or bool(done.all()):
+            if end + 1 > max_len - 1 or all_done.update(done.all()):
                 break
-            if bool((lengths <= end).all()):
+            if max(host_lengths) <= end:
                 context.enable_decode_mode()
             start, end = end, end + 1
         for row, request in enumerate(requests):
@@ -182,7 +211,7 @@ class TextGenerationController:
         input_ids, position_ids = context.initialize_step(device=wrapper.device)
         logits = wrapper.run_one_forward_step({"tokens": input_ids, "position_ids": position_ids,
                                                "attention_mask": None})
-        if not context.materialize_only_last_token_logits:
+        if not context.materialize_only_last_token_logits and context.step_layout.graph_key is None:
             logits = logits[:, context.step_layout.last_token_index]  # [1, T, V] -> [1, R, V]
         sampled = self.sample_from_logits(logits[0], sampling_params)
         scheduled = context.step_layout.request_ids
