@@ -129,9 +129,6 @@ def fp8_config_problems(config, te_modules: Sequence[str] = ()) -> List[str]:
             problems.append(f"{field}: {what} is not implemented natively; set it False (the linears' GEMMs "
                             "still run in FP8).")
     problems.extend(_bf16_edge_problems(config))
-    if getattr(config, "tp_comm_overlap", False):
-        problems.append(f"--fp8-format {config.fp8} with --tp-comm-overlap: the FP8 GEMMs do not pipeline TP "
-                        "communication; drop --tp-comm-overlap (or --fp8-format).")
     if te_modules:
         problems.append(f"--fp8-format {config.fp8} with Transformer Engine's modules ({', '.join(te_modules)}): "
                         "their FP8 (fp8_autocast) is not wired here; add --transformer-impl local for the native "

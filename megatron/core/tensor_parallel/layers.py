@@ -19,6 +19,7 @@ from megatron.core.fp8.linear import fp8_linear
 from megatron.core.fp8.recipe import Fp8LinearState, Fp8Recipe
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+from megatron.core.tensor_parallel.fp8_overlap import fp8_linear_all_gather_overlap, fp8_linear_reduce_scatter_overlap
 from megatron.core.tensor_parallel.mappings import (
     ReduceOp,
     all_gather_along_first_dim,
@@ -474,12 +475,17 @@ class _ParallelLinearBase(torch.nn.Module):
         self.trace_when_compiled = False
 
     _FP8_SHARDED: tuple = ()
+    # (overlap half, operand): the operand that the pipelined half of `--tp-comm-overlap` quantizes in
+    # sequence chunks, so that its amax too is reduced over TP (`fp8_overlap`)
+    _FP8_OVERLAP_SHARDED: Tuple[str, str] = ("", "")
 
     def enable_fp8(self, recipe: Fp8Recipe) -> None:
         """Run this layer's GEMMs in FP8 under `recipe` from now on (the amax of the operands split over TP
         reduced over the TP group, so the scales are those of the unsplit layer)."""
         reduce = _amax_max_over(self.tp_group) if self.tp_size > 1 else None
-        self.fp8 = Fp8LinearState(recipe, self._FP8_SHARDED, reduce)
+        half, operand = self._FP8_OVERLAP_SHARDED
+        sharded = self._FP8_SHARDED + ((operand,) if half and self._overlap(half) else ())
+        self.fp8 = Fp8LinearState(recipe, sharded, reduce)
 
     def enable_tp_comm_overlap(self, all_gather: bool, reduce_scatter: bool, transport: str) -> None:
         """`--tp-comm-overlap`: pipeline this layer's sequence-parallel all-gather and/or reduce-scatter with its
@@ -489,6 +495,8 @@ class _ParallelLinearBase(torch.nn.Module):
             raise ValueError(f"tp_comm_overlap_transport {transport!r}: expected 'copy-engine' or 'p2p'")
         self.tp_comm_overlap_halves = tuple(half for half, on in (("ag", all_gather), ("rs", reduce_scatter)) if on)
         self.tp_comm_transport = transport
+        if self.fp8 is not None:  # the operands split by the pipelines reduce their amax too
+            self.enable_fp8(self.fp8.recipe)
 
     def _linear(self, input_parallel, weight, bias, allreduce_dgrad, sequence_parallel, grad_output_buffer=None):
         if self.fp8 is not None and grad_output_buffer is None:
@@ -514,12 +522,15 @@ class _ParallelLinearBase(torch.nn.Module):
         """The FP8 GEMMs (`megatron.core.fp8.linear`) between this layer's TP mappings: (SP) all-gather the
         input along the sequence (backward: reduce-scatter), or (TP without SP) all-reduce the input
         gradient. Runs eagerly inside compiled layers, like the bf16 linears."""
+        fused = self.gradient_accumulation_fusion and weight.requires_grad
+        sink = add_weight_grad_to_main_grad if fused else None
+        if sequence_parallel and self._overlap("ag"):
+            return fp8_linear_all_gather_overlap(input_parallel, weight, bias, self.fp8, self.tp_group, sink)
         if sequence_parallel:
             input_parallel = gather_from_sequence_parallel_region(input_parallel, group=self.tp_group)
         elif allreduce_dgrad:
             input_parallel = copy_to_tensor_model_parallel_region(input_parallel, group=self.tp_group)
-        fused = self.gradient_accumulation_fusion and weight.requires_grad
-        return fp8_linear(input_parallel, weight, bias, self.fp8, add_weight_grad_to_main_grad if fused else None)
+        return fp8_linear(input_parallel, weight, bias, self.fp8, sink)
 
     def _overlap(self, half: str) -> bool:
         """Whether `--tp-comm-overlap` pipelines this layer's sequence-parallel all-gather ('ag') or
@@ -562,6 +573,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     _TP_AXIS_MAP = {"weight": 0, "bias": 0}
     _FP8_SHARDED = ("weight", "grad_output")
+    _FP8_OVERLAP_SHARDED = ("ag", "input")
 
     def __init__(self, input_size, output_size, *, config: ModelParallelConfig, init_method: Callable, bias=True,
                  gather_output=False, stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
@@ -642,6 +654,7 @@ class RowParallelLinear(_ParallelLinearBase):
 
     _TP_AXIS_MAP = {"weight": 1}
     _FP8_SHARDED = ("input", "weight")
+    _FP8_OVERLAP_SHARDED = ("rs", "grad_output")
 
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
                  bias: bool, input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
@@ -669,6 +682,11 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        if self._overlap("rs") and self.fp8 is not None:
+            sink = add_weight_grad_to_main_grad if self.gradient_accumulation_fusion and self.weight.requires_grad \
+                else None
+            output_ = fp8_linear_reduce_scatter_overlap(input_parallel, self.weight, self.fp8, self.tp_group, sink)
+            return self._add_bias(output_)
         if self._overlap("rs") and self.weight.requires_grad:
             output_ = LinearWithReduceScatterOverlap.apply(input_parallel, self.weight,
                                                            self.gradient_accumulation_fusion, self.tp_group,
