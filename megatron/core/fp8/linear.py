@@ -12,7 +12,17 @@ from typing import Callable, Optional
 import torch
 
 from megatron.core.fp8 import kernels
+from megatron.core.fp8.params import fp8_copy_of
 from megatron.core.fp8.recipe import Fp8LinearState
+
+
+def weight_operand(weight: torch.Tensor, state: Fp8LinearState, transpose: bool, record: bool):
+    """(w_q, w_q^T or None, scale_inv) of a linear's weight: its FP8 primary copy as it is (FP8 parameters,
+    `fp8.params`), else the weight quantized under the layer's weight scaling."""
+    copy = fp8_copy_of(weight)
+    if copy is not None:
+        return copy.data, copy.transposed() if transpose else None, copy.scale_inv
+    return state.weight.quantize(weight.contiguous(), transpose=transpose, record=record)
 
 
 def fp8_weight_gradient(g_q_t: Optional[torch.Tensor], g_inv: torch.Tensor, grad_2d: Optional[torch.Tensor],
@@ -41,7 +51,7 @@ class _Fp8Linear(torch.autograd.Function):
         # [..., in] -> [tokens, in]
         input_2d = input.reshape(-1, input.shape[-1]).contiguous()
         x_q, x_q_t, x_inv = state.input.quantize(input_2d, transpose=need_wgrad and fp8_wgrad, record=grad_enabled)
-        w_q, w_q_t, w_inv = state.weight.quantize(weight.contiguous(), transpose=need_dgrad, record=grad_enabled)
+        w_q, w_q_t, w_inv = weight_operand(weight, state, need_dgrad, grad_enabled)
         out = kernels.scaled_mm(x_q, w_q, x_inv, w_inv, input.dtype, bias=bias, fast_accum=True)
         kept_input = (x_q_t if fp8_wgrad else input_2d) if need_wgrad else None
         ctx.save_for_backward(kept_input, x_inv, w_q_t, w_inv, weight)

@@ -50,6 +50,10 @@ class Fp8Recipe:
     num_layers: int = 0
     """The model's number of transformer layers (all pipeline stages): where the last layers start."""
 
+    fp8_param: bool = False
+    """`--fp8-param-gather`: the FP8 layers' weights are FP8 parameters (`fp8.params`): the distributed
+    optimizer all-gathers them as FP8 bytes, which the forward uses as they are."""
+
     def is_bf16_layer(self, layer_no: int) -> bool:
         """Whether global layer `layer_no` (0-based, counted over all pipeline stages, as Megatron's
         `is_first_last_bf16_layer` does) keeps its GEMMs in bf16; a negative `layer_no` (no particular
@@ -78,7 +82,7 @@ class Fp8Recipe:
                    wgrad=config.fp8_wgrad,
                    num_layers_at_start_in_bf16=config.num_layers_at_start_in_bf16 if edges else 0,
                    num_layers_at_end_in_bf16=config.num_layers_at_end_in_bf16 if edges else 0,
-                   num_layers=config.num_layers if edges else 0)
+                   num_layers=config.num_layers if edges else 0, fp8_param=bool(getattr(config, "fp8_param", False)))
 
 
 def _bf16_edge_problems(config) -> List[str]:
@@ -120,9 +124,6 @@ def fp8_config_problems(config, te_modules: Sequence[str] = ()) -> List[str]:
                         "most_recent or max.")
     if config.fp8_margin < 0:
         problems.append(f"--fp8-margin (fp8_margin ({config.fp8_margin})) must be >= 0.")
-    if config.fp8_param:
-        problems.append("--fp8-param-gather (fp8_param): FP8 parameters are not implemented: keep the parameters "
-                        "in bf16/fp16; the GEMMs still run in FP8.")
     for field, what in (("fp8_dot_product_attention", "FP8 attention"),
                         ("fp8_multi_head_attention", "FP8 attention projections outside the linears")):
         if getattr(config, field, False):

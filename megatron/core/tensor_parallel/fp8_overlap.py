@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron.core.fp8 import kernels
-from megatron.core.fp8.linear import fp8_weight_gradient
+from megatron.core.fp8.linear import fp8_weight_gradient, weight_operand
 from megatron.core.fp8.recipe import Fp8LinearState
 from megatron.core.tensor_parallel.mappings import _rank, _world_size, all_gather_along_first_dim, ring_exchange_async
 
@@ -97,7 +97,7 @@ class _Fp8AllGatherLinear(torch.autograd.Function):
         # [s/tp, b, in] -> [s/tp*b, in]
         local_2d = input.reshape(-1, input.shape[-1]).contiguous()
         x_q, _, x_inv = state.input.quantize(local_2d, transpose=False, record=grad_enabled)
-        w_q, w_q_t, w_inv = state.weight.quantize(weight.contiguous(), transpose=need_dgrad, record=grad_enabled)
+        w_q, w_q_t, w_inv = weight_operand(weight, state, need_dgrad, grad_enabled)
         out, gathered = fp8_all_gather_matmul(x_q.view(input.shape), x_inv, w_q, w_inv, input.dtype, bias, group,
                                               fast_accum=True)
         kept = None
@@ -140,7 +140,7 @@ class _Fp8ReduceScatterLinear(torch.autograd.Function):
         # [s, b, in/tp] -> [s*b, in/tp]
         input_2d = input.reshape(-1, input.shape[-1]).contiguous()
         x_q, x_q_t, x_inv = state.input.quantize(input_2d, transpose=need_wgrad and fp8_wgrad, record=grad_enabled)
-        w_q, w_q_t, w_inv = state.weight.quantize(weight.contiguous(), transpose=need_dgrad, record=grad_enabled)
+        w_q, w_q_t, w_inv = weight_operand(weight, state, need_dgrad, grad_enabled)
         out = fp8_matmul_reduce_scatter(x_q.view(input.shape), x_inv, w_q, w_inv, input.dtype, group,
                                         fast_accum=True)
         kept = (x_q_t if fp8_wgrad else input_2d) if need_wgrad else None

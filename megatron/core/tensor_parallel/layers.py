@@ -486,6 +486,9 @@ class _ParallelLinearBase(torch.nn.Module):
         half, operand = self._FP8_OVERLAP_SHARDED
         sharded = self._FP8_SHARDED + ((operand,) if half and self._overlap(half) else ())
         self.fp8 = Fp8LinearState(recipe, sharded, reduce)
+        if recipe.fp8_param and getattr(self, "weight", None) is not None:
+            # `--fp8-param-gather`: the distributed optimizer gathers this weight as FP8 bytes (`fp8.params`)
+            setattr(self.weight, "fp8_param", True)
 
     def enable_tp_comm_overlap(self, all_gather: bool, reduce_scatter: bool, transport: str) -> None:
         """`--tp-comm-overlap`: pipeline this layer's sequence-parallel all-gather and/or reduce-scatter with its
@@ -561,6 +564,8 @@ class _ParallelLinearBase(torch.nn.Module):
         extra_key = prefix + "_extra_state"
         if extra_key not in state_dict and extra_key in missing_keys:
             missing_keys.remove(extra_key)
+        if getattr(self, "weight", None) is not None and prefix + "weight" in state_dict:
+            self.weight.fp8_weight_copy = None  # an FP8 parameter's copy is stale: requantized on the next gather
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
