@@ -22,6 +22,7 @@ from megatron.core.extensions.transformer_engine import (
     TELayerNormColumnParallelLinear,
     TERowParallelLinear,
 )
+from megatron.core.fp8.recipe import Fp8Recipe as NativeFp8Recipe
 from megatron.core.fp8.recipe import fp8_config_problems
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.utils import is_te_min_version, module_available
@@ -128,14 +129,15 @@ def correct_amax_history_if_needed(model: List[torch.nn.Module]) -> None:
 
 
 def is_first_last_bf16_layer(config, layer_no: int) -> bool:
-    """Whether global layer `layer_no` (0-based) stays in bf16 under `first_last_layers_bf16`: one of the first
-    `num_layers_at_start_in_bf16` or the last `num_layers_at_end_in_bf16` layers. A negative `layer_no`
-    (no particular layer) is never a bf16 layer."""
-    if layer_no < 0 or not getattr(config, "first_last_layers_bf16", False):
+    """Whether global layer `layer_no` (0-based, over all pipeline stages) stays in bf16 under
+    `first_last_layers_bf16`: one of the first `num_layers_at_start_in_bf16` or the last
+    `num_layers_at_end_in_bf16` layers (`Fp8Recipe.is_bf16_layer`, what the optimisation plan applies). A
+    negative `layer_no` (no particular layer) is never a bf16 layer."""
+    if not getattr(config, "first_last_layers_bf16", False):
         return False
-    at_start = layer_no < config.num_layers_at_start_in_bf16
-    at_end = layer_no >= config.num_layers - config.num_layers_at_end_in_bf16
-    return at_start or at_end
+    return NativeFp8Recipe(fp8_format="e4m3", num_layers_at_start_in_bf16=config.num_layers_at_start_in_bf16,
+                           num_layers_at_end_in_bf16=config.num_layers_at_end_in_bf16,
+                           num_layers=config.num_layers).is_bf16_layer(layer_no)
 
 
 def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
@@ -145,7 +147,7 @@ def get_fp8_context(config, layer_no: int = -1, is_init: bool = False):
     is off or the layer is kept in bf16. The native layers are switched to FP8 by the optimisation plan, so the
     context itself is `nullcontext()`: code written as `with get_fp8_context(config, i): layer(...)` runs
     the same layers with the same FP8 GEMMs. What the native path cannot run (FP8 parameters, block-scaled
-    recipes, bf16 first/last layers, ...; `megatron.core.fp8.recipe.fp8_config_problems`, the rules the plan
+    recipes, ...; `megatron.core.fp8.recipe.fp8_config_problems`, the rules the plan
     checks) raises one ValueError listing every problem, as resolving the plan would.
     """
     if getattr(config, "fp8", None) is None:

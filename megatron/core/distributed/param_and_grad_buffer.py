@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core.deferred_checks import get_deferred_checks, not_finite
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.fp8_param_gather import is_fp8_param_bucket, start_fp8_param_gather
 
 # Buckets whose local gradient norm exceeds this multiple of the largest norm seen during the first
 # `_LARGE_GRAD_WINDOW` checks are reported by `check_for_large_grads`.
@@ -96,6 +97,9 @@ class _ParamAndGradBucket:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.bucket_id = bucket_id
         self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
+        # `--fp8-param-gather`: [start, end) of the bucket's one FP8 parameter in it, and its uint8 gather buffer
+        self.fp8_param_range: Optional[Tuple[int, int]] = None
+        self.fp8_param_data: Optional[torch.Tensor] = None
         packed = 0
         for param in params:
             self.param_to_index[param] = (packed, packed + param.numel())
@@ -322,7 +326,11 @@ class _ParamAndGradBucketGroup:
         self.param_gather_dispatched = True
         group = self._group
         for bucket in self.buckets:
-            handle = _all_gather(bucket.param_data, self._local_shard(bucket.param_data), group, async_op)
+            if bucket.fp8_param_range is not None:  # an FP8 parameter: its FP8 bytes are gathered
+                handle = start_fp8_param_gather(bucket, group, self._group_size, self._group_rank, _all_gather,
+                                                async_op)
+            else:
+                handle = _all_gather(bucket.param_data, self._local_shard(bucket.param_data), group, async_op)
             if async_op:
                 self.param_gather_handles.append(handle)
 
@@ -410,9 +418,11 @@ class _ParamAndGradBuffer:
         return start
 
     def _needs_own_bucket(self, param) -> bool:
-        """Shared (tied) embeddings get a bucket to themselves with the distributed optimizer, so that
+        """Shared (tied) embeddings (and FP8 parameters under `fp8_param_gather`, whose bytes are gathered as
+        FP8) get a bucket to themselves with the distributed optimizer, so that
         their shard boundaries are the same on the first and the last pipeline stage."""
-        return bool(getattr(param, "shared_embedding", False)) and self.ddp_config.use_distributed_optimizer
+        fp8 = bool(getattr(param, "fp8_param", False)) and self.ddp_config.fp8_param_gather  # gathers FP8 bytes
+        return (bool(getattr(param, "shared_embedding", False)) or fp8) and self.ddp_config.use_distributed_optimizer
 
     def _layout(self, bucket_size: Optional[int]):
         """Assign [start, end) and a bucket id to every param, in reverse order of registration."""
@@ -468,6 +478,9 @@ class _ParamAndGradBuffer:
                 gradient_scaling_factor=self.gradient_scaling_factor,
                 bucket_id=bucket_id,
             )
+            if self.param_data is not None and is_fp8_param_bucket(bucket.params_list, self.ddp_config):
+                param_start, param_end, _ = self.param_index_map[bucket.params_list[0]]
+                bucket.fp8_param_range = (param_start - start, param_end - start)
             self.buckets.append(bucket)
             for param in bucket.params_list:
                 self.param_to_bucket[param] = bucket

@@ -12,7 +12,34 @@ from typing import Callable, Optional
 import torch
 
 from megatron.core.fp8 import kernels
+from megatron.core.fp8.params import fp8_copy_of
 from megatron.core.fp8.recipe import Fp8LinearState
+
+
+def weight_operand(weight: torch.Tensor, state: Fp8LinearState, transpose: bool, record: bool):
+    """(w_q, w_q^T or None, scale_inv) of a linear's weight: its FP8 primary copy as it is (FP8 parameters,
+    `fp8.params`), else the weight quantized under the layer's weight scaling."""
+    copy = fp8_copy_of(weight)
+    if copy is not None:
+        return copy.data, copy.transposed() if transpose else None, copy.scale_inv
+    return state.weight.quantize(weight.contiguous(), transpose=transpose, record=record)
+
+
+def fp8_weight_gradient(g_q_t: Optional[torch.Tensor], g_inv: torch.Tensor, grad_2d: Optional[torch.Tensor],
+                        kept_input: torch.Tensor, x_inv: torch.Tensor, weight: torch.Tensor, fp8_wgrad: bool,
+                        wgrad_sink: Optional[Callable]) -> torch.Tensor:
+    """The weight gradient [out, in] of a linear: with `fp8_wgrad` the FP8 GEMM of the transposed output
+    gradient g_q_t [out, tokens] and the transposed input kept_input [in, tokens] (fp32 output when the sink
+    adds into an fp32 `main_grad`), else grad_2d [tokens, out]^T @ kept_input [tokens, in] in the input's
+    precision; handed to `wgrad_sink` when there is one."""
+    sink_fp32 = wgrad_sink is not None and getattr(weight, "main_grad", None) is not None \
+        and weight.main_grad.dtype == torch.float32
+    if fp8_wgrad:
+        # [out, tokens] x [in, tokens]^T -> [out, in]
+        grad_weight = kernels.scaled_mm(g_q_t, kept_input, g_inv, x_inv, torch.float32 if sink_fp32 else weight.dtype)
+    else:
+        grad_weight = grad_2d.t().matmul(kept_input)  # [out, tokens] @ [tokens, in] -> [out, in]
+    return wgrad_sink(weight, grad_weight) if wgrad_sink is not None else grad_weight
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -24,7 +51,7 @@ class _Fp8Linear(torch.autograd.Function):
         # [..., in] -> [tokens, in]
         input_2d = input.reshape(-1, input.shape[-1]).contiguous()
         x_q, x_q_t, x_inv = state.input.quantize(input_2d, transpose=need_wgrad and fp8_wgrad, record=grad_enabled)
-        w_q, w_q_t, w_inv = state.weight.quantize(weight.contiguous(), transpose=need_dgrad, record=grad_enabled)
+        w_q, w_q_t, w_inv = weight_operand(weight, state, need_dgrad, grad_enabled)
         out = kernels.scaled_mm(x_q, w_q, x_inv, w_inv, input.dtype, bias=bias, fast_accum=True)
         kept_input = (x_q_t if fp8_wgrad else input_2d) if need_wgrad else None
         ctx.save_for_backward(kept_input, x_inv, w_q_t, w_inv, weight)
@@ -48,16 +75,8 @@ class _Fp8Linear(torch.autograd.Function):
             grad_input = kernels.scaled_mm(g_q, w_q_t, g_inv, w_inv, grad_output.dtype).reshape(ctx.input_shape)
         grad_weight = None
         if need_wgrad:
-            sink_fp32 = ctx.wgrad_sink is not None and getattr(weight, "main_grad", None) is not None \
-                and weight.main_grad.dtype == torch.float32
-            if fp8_wgrad:
-                # [out, tokens] x [tokens, in] -> [out, in]
-                grad_weight = kernels.scaled_mm(g_q_t, kept_input, g_inv, x_inv,
-                                                torch.float32 if sink_fp32 else weight.dtype)
-            else:
-                grad_weight = grad_2d.t().matmul(kept_input)  # [out, tokens] @ [tokens, in] -> [out, in]
-            if ctx.wgrad_sink is not None:
-                grad_weight = ctx.wgrad_sink(weight, grad_weight)
+            grad_weight = fp8_weight_gradient(g_q_t, g_inv, grad_2d, kept_input, x_inv, weight, fp8_wgrad,
+                                              ctx.wgrad_sink)
         grad_bias = grad_2d.sum(dim=0) if ctx.use_bias else None  # [tokens, out] -> [out]
         return grad_input, grad_weight, grad_bias, None, None, None
 

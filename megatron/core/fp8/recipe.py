@@ -41,6 +41,28 @@ class Fp8Recipe:
     wgrad: bool = True
     """Weight-gradient GEMM in FP8 too (else in the input's precision)."""
 
+    num_layers_at_start_in_bf16: int = 0
+    """`--first-last-layers-bf16`: how many of the model's first transformer layers keep bf16 GEMMs (0 without it)."""
+
+    num_layers_at_end_in_bf16: int = 0
+    """`--first-last-layers-bf16`: how many of the model's last transformer layers keep bf16 GEMMs (0 without it)."""
+
+    num_layers: int = 0
+    """The model's number of transformer layers (all pipeline stages): where the last layers start."""
+
+    fp8_param: bool = False
+    """`--fp8-param-gather`: the FP8 layers' weights are FP8 parameters (`fp8.params`): the distributed
+    optimizer all-gathers them as FP8 bytes, which the forward uses as they are."""
+
+    def is_bf16_layer(self, layer_no: int) -> bool:
+        """Whether global layer `layer_no` (0-based, counted over all pipeline stages, as Megatron's
+        `is_first_last_bf16_layer` does) keeps its GEMMs in bf16; a negative `layer_no` (no particular
+        layer) never does."""
+        if layer_no < 0:
+            return False
+        at_end = self.num_layers_at_end_in_bf16 > 0 and layer_no >= self.num_layers - self.num_layers_at_end_in_bf16
+        return layer_no < self.num_layers_at_start_in_bf16 or at_end
+
     @property
     def forward_dtype(self) -> torch.dtype:
         return kernels.E4M3
@@ -54,9 +76,32 @@ class Fp8Recipe:
         """The recipe a TransformerConfig asks for (None without `fp8`)."""
         if getattr(config, "fp8", None) is None:
             return None
+        edges = bool(getattr(config, "first_last_layers_bf16", False))
         return cls(fp8_format=config.fp8, recipe=config.fp8_recipe or "delayed", margin=config.fp8_margin,
                    amax_history_len=config.fp8_amax_history_len, amax_compute_algo=config.fp8_amax_compute_algo,
-                   wgrad=config.fp8_wgrad)
+                   wgrad=config.fp8_wgrad,
+                   num_layers_at_start_in_bf16=config.num_layers_at_start_in_bf16 if edges else 0,
+                   num_layers_at_end_in_bf16=config.num_layers_at_end_in_bf16 if edges else 0,
+                   num_layers=config.num_layers if edges else 0, fp8_param=bool(getattr(config, "fp8_param", False)))
+
+
+def _bf16_edge_problems(config) -> List[str]:
+    """Megatron's rules for `--first-last-layers-bf16` (TransformerConfig): not with delayed scaling, and each
+    count between 0 and the layers of one pipeline stage."""
+    if not getattr(config, "first_last_layers_bf16", False):
+        return []
+    problems = []
+    if (config.fp8_recipe or "delayed") == "delayed":
+        problems.append("--first-last-layers-bf16 with --fp8-recipe delayed: delayed scaling does not support the "
+                        "first / last layers in bf16 (as in Megatron); add --fp8-recipe tensorwise.")
+    per_stage = config.num_layers // max(1, getattr(config, "pipeline_model_parallel_size", 1))
+    for flag, field in (("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16"),
+                        ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16")):
+        value = getattr(config, field)
+        if value < 0 or value > per_stage:
+            problems.append(f"{flag} ({field} ({value})) must be between 0 and the number of layers per pipeline "
+                            f"stage ({per_stage}); pick a count in that range.")
+    return problems
 
 
 def fp8_config_problems(config, te_modules: Sequence[str] = ()) -> List[str]:
@@ -79,18 +124,12 @@ def fp8_config_problems(config, te_modules: Sequence[str] = ()) -> List[str]:
                         "most_recent or max.")
     if config.fp8_margin < 0:
         problems.append(f"--fp8-margin (fp8_margin ({config.fp8_margin})) must be >= 0.")
-    if config.fp8_param:
-        problems.append("--fp8-param-gather (fp8_param): FP8 parameters are not implemented: keep the parameters "
-                        "in bf16/fp16; the GEMMs still run in FP8.")
     for field, what in (("fp8_dot_product_attention", "FP8 attention"),
-                        ("fp8_multi_head_attention", "FP8 attention projections outside the linears"),
-                        ("first_last_layers_bf16", "keeping the first/last layers in bf16")):
+                        ("fp8_multi_head_attention", "FP8 attention projections outside the linears")):
         if getattr(config, field, False):
             problems.append(f"{field}: {what} is not implemented natively; set it False (the linears' GEMMs "
                             "still run in FP8).")
-    if getattr(config, "tp_comm_overlap", False):
-        problems.append(f"--fp8-format {config.fp8} with --tp-comm-overlap: the FP8 GEMMs do not pipeline TP "
-                        "communication; drop --tp-comm-overlap (or --fp8-format).")
+    problems.extend(_bf16_edge_problems(config))
     if te_modules:
         problems.append(f"--fp8-format {config.fp8} with Transformer Engine's modules ({', '.join(te_modules)}): "
                         "their FP8 (fp8_autocast) is not wired here; add --transformer-impl local for the native "

@@ -61,11 +61,18 @@ def device_facts_of(model_chunks: Sequence[torch.nn.Module], tp_group=None) -> D
 
 def apply_fp8(layers: torch.nn.Module, recipe: Optional[Fp8Recipe]) -> None:
     """FP8 GEMMs for every tensor-parallel linear inside `layers` (like Transformer Engine's fp8_autocast
-    around the transformer block: the embedding and the output layer stay in bf16)."""
+    around the transformer block: the embedding and the output layer stay in bf16). In a block's layers
+    (a ModuleList), a layer whose global `layer_number` the recipe keeps in bf16 (`--first-last-layers-bf16`,
+    `Fp8Recipe.is_bf16_layer`) is left as it is, as Megatron's per-layer `get_fp8_context` leaves it."""
     if recipe is None:
         return
-    for linear in _linears(layers):
-        linear.enable_fp8(recipe)
+    units = list(layers) if isinstance(layers, torch.nn.ModuleList) else [layers]
+    for unit in units:
+        number = getattr(unit, "layer_number", None)
+        if isinstance(number, int) and recipe.is_bf16_layer(number - 1):
+            continue
+        for linear in _linears(unit):
+            linear.enable_fp8(recipe)
 
 
 def apply_layer_compile(layers: Iterable[torch.nn.Module], trace_linears: bool = False,

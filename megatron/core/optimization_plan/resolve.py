@@ -178,6 +178,9 @@ def _fp8(config, device: DeviceFacts, problems: List[str]) -> Decision:
     if recipe.recipe == "delayed":
         scaling += f" (amax history {recipe.amax_history_len}, {recipe.amax_compute_algo})"
     shown = f"{recipe.fp8_format}, {scaling}, margin {recipe.margin}" + ("" if recipe.wgrad else ", bf16 wgrad")
+    if recipe.num_layers_at_start_in_bf16 or recipe.num_layers_at_end_in_bf16:
+        shown += (f", first {recipe.num_layers_at_start_in_bf16} / last {recipe.num_layers_at_end_in_bf16} "
+                  "layers in bf16")
     return Decision(dataclasses.asdict(recipe), f"--fp8-format {recipe.fp8_format}: the transformer layers' "
                     f"linears; GEMMs: {gemms}", shown)
 

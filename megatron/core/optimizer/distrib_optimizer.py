@@ -263,9 +263,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 param_range = self._get_model_param_range_map(model_param)["param"]
                 # [*param.shape] -> [numel], then this rank's piece.
                 shard_model_param = model_param.detach().view(-1)[param_range.start : param_range.end]
-                if model_param.dtype in (torch.float16, torch.bfloat16):
+                # An FP8 parameter's model data becomes its FP8 values at each gather: its fp32 master is a copy.
+                fp8_param = bool(getattr(model_param, "fp8_param", False)) and self.ddp_config is not None \
+                    and self.ddp_config.fp8_param_gather
+                if model_param.dtype in (torch.float16, torch.bfloat16) or fp8_param:
                     # The precision-aware optimizer steps the model shard itself (it keeps its own fp32 copy).
-                    precision_aware = self.config.use_precision_aware_optimizer
+                    precision_aware = self.config.use_precision_aware_optimizer and not fp8_param
                     shard_main_param = shard_model_param if precision_aware else shard_model_param.clone().float()
                     model_float16.append(model_param)
                     shard_float16.append(shard_model_param)

@@ -4,12 +4,9 @@ Weights are stored in Megatron's layout (column: `[out/tp, in]`, row: `[out, in/
 `[V/tp, h]`) and carry Megatron's parameter attributes (`tensor_model_parallel`, `partition_dim`,
 `partition_stride`, `sequence_parallel`, `allreduce`). All communication goes through `mappings`.
 
-Gradient accumulation fusion note: Megatron needs Apex's `fused_weight_gradient_mlp_cuda` for it;
-here the weight gradient is accumulated straight into `weight.main_grad` with a plain `addmm_` in the
-linear backward, so `gradient_accumulation_fusion=True` (the CLI default) works everywhere. Without a
-`main_grad` (no DDP wrapper) the weight gradient is returned to autograd as usual. bf16/fp16 grads go
-into an fp32 `main_grad` with one fp32-output GEMM on CUDA where torch has it (probed once, see
-`addmm_fp32_out_supported`), else with a half-precision matmul, a cast and an add.
+Gradient accumulation fusion (`gradient_accumulation_fusion=True`, the CLI default) works everywhere: the
+weight gradient goes straight into `weight.main_grad` (`tensor_parallel.wgrad_accumulation`, whose names are
+re-exported here). The FP8 GEMMs with `--tp-comm-overlap` are `tensor_parallel.fp8_overlap`.
 """
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -22,6 +19,7 @@ from megatron.core.fp8.linear import fp8_linear
 from megatron.core.fp8.recipe import Fp8LinearState, Fp8Recipe
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+from megatron.core.tensor_parallel.fp8_overlap import fp8_linear_all_gather_overlap, fp8_linear_reduce_scatter_overlap
 from megatron.core.tensor_parallel.mappings import (
     ReduceOp,
     all_gather_along_first_dim,
@@ -40,6 +38,12 @@ from megatron.core.tensor_parallel.overlap import (
 from megatron.core.tensor_parallel.peer_copy import peer_copy_transport
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.tensor_parallel.utils import VocabUtility, make_sharded_state_dict_for_layer
+from megatron.core.tensor_parallel.wgrad_accumulation import (
+    _weight_grad,
+    accumulate_wgrad_fp32_,
+    add_weight_grad_to_main_grad,
+    addmm_fp32_out_supported,
+)
 from megatron.core.utils import divide
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
@@ -122,114 +126,6 @@ def _weight_device(config: ModelParallelConfig):
     if config.use_cpu_initialization or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-# (device, input dtype) -> whether `torch.addmm(..., out_dtype=torch.float32, out=main_grad)` works and
-# matches the reference there; filled by `_probe_addmm_fp32_out` on first use.
-_ADDMM_FP32_OUT_SUPPORT = {}
-
-
-@torch.library.custom_op("megatron_core::accumulate_wgrad_fp32_", mutates_args=("main_grad",))
-def accumulate_wgrad_fp32_(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
-    """main_grad [out, in] (fp32) += grad_output^T [out, s*b] @ input [s*b, in] (half precision), one
-    GEMM with an fp32 output (CUDA only: torch has no CPU kernel for it).
-
-    A custom op, so that `torch.compile` treats it as one opaque in-place call: tracing torch's
-    `addmm(..., out_dtype=)` directly fails in the compiler's fake-tensor decomposition (torch 2.11),
-    which made every compiled layer fall back to eager.
-    """
-    torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=torch.float32, out=main_grad)
-
-
-@accumulate_wgrad_fp32_.register_fake
-def _accumulate_wgrad_fp32_fake(main_grad, grad_output_2d, input_2d) -> None:
-    return None
-
-
-def _addmm_fp32_out(main_grad, grad_output_2d, input_2d) -> None:
-    """main_grad [out, in] += grad_output^T [out, s*b] @ input [s*b, in], one GEMM with an fp32 output."""
-    accumulate_wgrad_fp32_(main_grad, grad_output_2d, input_2d)
-
-
-def _probe_addmm_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
-    """Try the fp32-output addmm on tiny tensors of `device`/`dtype` and compare with the reference
-    (half-precision matmul in fp32, then add); any error or mismatch means 'not supported'."""
-    generator = torch.Generator().manual_seed(0)
-    grad_output = torch.randn(8, 4, generator=generator).to(device=device, dtype=dtype)
-    inputs = torch.randn(8, 6, generator=generator).to(device=device, dtype=dtype)
-    accumulator = torch.randn(4, 6, generator=generator).to(device=device)
-    expected = accumulator + grad_output.float().t() @ inputs.float()
-    try:
-        _addmm_fp32_out(accumulator, grad_output, inputs)
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-    return accumulator.dtype == torch.float32 and bool(torch.allclose(accumulator, expected, rtol=1e-2, atol=1e-2))
-
-
-def addmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a `dtype` weight gradient can be accumulated into an fp32 `main_grad` on `device` by one
-    fp32-output GEMM. CUDA only (CPU has no such kernel); probed once per (device, dtype) outside of
-    compilation (a traced backward uses the answer an eager call or layer construction recorded)."""
-    device = torch.device(device)
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    key = (device, dtype)
-    if key not in _ADDMM_FP32_OUT_SUPPORT:
-        if torch.compiler.is_compiling():
-            return False
-        _ADDMM_FP32_OUT_SUPPORT[key] = _probe_addmm_fp32_out(device, dtype)
-    return _ADDMM_FP32_OUT_SUPPORT[key]
-
-
-def _accumulate_weight_grad(weight, grad_output_2d, input_2d):
-    """Add the weight gradient into `weight.main_grad`; return the placeholder grad Megatron's DDP expects.
-
-    Eager only. Traced by `torch.compile` (a layer's `trace_when_compiled`, `--compile-linears on`), the
-    linears return the weight gradient to autograd instead and DDP's hook adds it into `main_grad`: the flag
-    set here is an attribute change torch.compile cannot keep inside an autograd.Function (dynamo would give
-    up on the function and run it eagerly).
-
-    Same dtype: one in-place addmm. bf16/fp16 into fp32 on CUDA: one GEMM with an fp32 output where
-    the installed torch has it (`addmm_fp32_out_supported`), else a half-precision matmul, a cast and
-    an add (three passes over the gradient).
-    """
-    main_grad = weight.main_grad
-    # main_grad [out, in] += grad_output^T [out, s*b] @ input [s*b, in]
-    if main_grad.dtype == grad_output_2d.dtype:
-        main_grad.addmm_(grad_output_2d.t(), input_2d)
-    elif main_grad.dtype == torch.float32 and addmm_fp32_out_supported(main_grad.device, grad_output_2d.dtype):
-        _addmm_fp32_out(main_grad, grad_output_2d, input_2d)
-    else:
-        main_grad.add_(torch.matmul(grad_output_2d.t(), input_2d).to(main_grad.dtype))
-    return _main_grad_placeholder(weight)
-
-
-def _main_grad_placeholder(weight):
-    """What a fused linear hands autograd once its weight gradient is in `main_grad`: under Megatron's DDP
-    a placeholder its grad hook skips (the hook only runs when a grad reaches the param), else None."""
-    if hasattr(weight, "grad_added_to_main_grad"):
-        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-        placeholder = make(weight.main_grad.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
-        weight.grad_added_to_main_grad = True
-        return placeholder
-    return None
-
-
-def add_weight_grad_to_main_grad(weight, grad_weight):
-    """Gradient-accumulation fusion for a weight gradient computed elsewhere (the FP8 linears): add it into
-    `weight.main_grad` and return the placeholder; without `main_grad`, return the gradient itself."""
-    if getattr(weight, "main_grad", None) is None:
-        return grad_weight.to(weight.dtype)
-    weight.main_grad.add_(grad_weight)
-    return _main_grad_placeholder(weight)
-
-
-def _weight_grad(ctx, weight, grad_output_2d, input_2d):
-    """A linear's weight gradient from grad_output [s*b, out] and input [s*b, in]: added into `main_grad` (the
-    placeholder returned) when fused and eager, else returned as [out, in]."""
-    if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad") and not torch.compiler.is_compiling():
-        return _accumulate_weight_grad(weight, grad_output_2d, input_2d)
-    return grad_output_2d.t().matmul(input_2d)  # [out, s*b] @ [s*b, in] -> [out, in]
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -579,12 +475,20 @@ class _ParallelLinearBase(torch.nn.Module):
         self.trace_when_compiled = False
 
     _FP8_SHARDED: tuple = ()
+    # (overlap half, operand): the operand that the pipelined half of `--tp-comm-overlap` quantizes in
+    # sequence chunks, so that its amax too is reduced over TP (`fp8_overlap`)
+    _FP8_OVERLAP_SHARDED: Tuple[str, str] = ("", "")
 
     def enable_fp8(self, recipe: Fp8Recipe) -> None:
         """Run this layer's GEMMs in FP8 under `recipe` from now on (the amax of the operands split over TP
         reduced over the TP group, so the scales are those of the unsplit layer)."""
         reduce = _amax_max_over(self.tp_group) if self.tp_size > 1 else None
-        self.fp8 = Fp8LinearState(recipe, self._FP8_SHARDED, reduce)
+        half, operand = self._FP8_OVERLAP_SHARDED
+        sharded = self._FP8_SHARDED + ((operand,) if half and self._overlap(half) else ())
+        self.fp8 = Fp8LinearState(recipe, sharded, reduce)
+        if recipe.fp8_param and getattr(self, "weight", None) is not None:
+            # `--fp8-param-gather`: the distributed optimizer gathers this weight as FP8 bytes (`fp8.params`)
+            setattr(self.weight, "fp8_param", True)
 
     def enable_tp_comm_overlap(self, all_gather: bool, reduce_scatter: bool, transport: str) -> None:
         """`--tp-comm-overlap`: pipeline this layer's sequence-parallel all-gather and/or reduce-scatter with its
@@ -594,6 +498,8 @@ class _ParallelLinearBase(torch.nn.Module):
             raise ValueError(f"tp_comm_overlap_transport {transport!r}: expected 'copy-engine' or 'p2p'")
         self.tp_comm_overlap_halves = tuple(half for half, on in (("ag", all_gather), ("rs", reduce_scatter)) if on)
         self.tp_comm_transport = transport
+        if self.fp8 is not None:  # the operands split by the pipelines reduce their amax too
+            self.enable_fp8(self.fp8.recipe)
 
     def _linear(self, input_parallel, weight, bias, allreduce_dgrad, sequence_parallel, grad_output_buffer=None):
         if self.fp8 is not None and grad_output_buffer is None:
@@ -619,12 +525,15 @@ class _ParallelLinearBase(torch.nn.Module):
         """The FP8 GEMMs (`megatron.core.fp8.linear`) between this layer's TP mappings: (SP) all-gather the
         input along the sequence (backward: reduce-scatter), or (TP without SP) all-reduce the input
         gradient. Runs eagerly inside compiled layers, like the bf16 linears."""
+        fused = self.gradient_accumulation_fusion and weight.requires_grad
+        sink = add_weight_grad_to_main_grad if fused else None
+        if sequence_parallel and self._overlap("ag"):
+            return fp8_linear_all_gather_overlap(input_parallel, weight, bias, self.fp8, self.tp_group, sink)
         if sequence_parallel:
             input_parallel = gather_from_sequence_parallel_region(input_parallel, group=self.tp_group)
         elif allreduce_dgrad:
             input_parallel = copy_to_tensor_model_parallel_region(input_parallel, group=self.tp_group)
-        fused = self.gradient_accumulation_fusion and weight.requires_grad
-        return fp8_linear(input_parallel, weight, bias, self.fp8, add_weight_grad_to_main_grad if fused else None)
+        return fp8_linear(input_parallel, weight, bias, self.fp8, sink)
 
     def _overlap(self, half: str) -> bool:
         """Whether `--tp-comm-overlap` pipelines this layer's sequence-parallel all-gather ('ag') or
@@ -655,6 +564,8 @@ class _ParallelLinearBase(torch.nn.Module):
         extra_key = prefix + "_extra_state"
         if extra_key not in state_dict and extra_key in missing_keys:
             missing_keys.remove(extra_key)
+        if getattr(self, "weight", None) is not None and prefix + "weight" in state_dict:
+            self.weight.fp8_weight_copy = None  # an FP8 parameter's copy is stale: requantized on the next gather
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
@@ -667,6 +578,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     _TP_AXIS_MAP = {"weight": 0, "bias": 0}
     _FP8_SHARDED = ("weight", "grad_output")
+    _FP8_OVERLAP_SHARDED = ("ag", "input")
 
     def __init__(self, input_size, output_size, *, config: ModelParallelConfig, init_method: Callable, bias=True,
                  gather_output=False, stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
@@ -747,6 +659,7 @@ class RowParallelLinear(_ParallelLinearBase):
 
     _TP_AXIS_MAP = {"weight": 1}
     _FP8_SHARDED = ("input", "weight")
+    _FP8_OVERLAP_SHARDED = ("rs", "grad_output")
 
     def __init__(self, input_size: int, output_size: int, *, config: ModelParallelConfig, init_method: Callable,
                  bias: bool, input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
@@ -774,6 +687,11 @@ class RowParallelLinear(_ParallelLinearBase):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        if self._overlap("rs") and self.fp8 is not None:
+            sink = add_weight_grad_to_main_grad if self.gradient_accumulation_fusion and self.weight.requires_grad \
+                else None
+            output_ = fp8_linear_reduce_scatter_overlap(input_parallel, self.weight, self.fp8, self.tp_group, sink)
+            return self._add_bias(output_)
         if self._overlap("rs") and self.weight.requires_grad:
             output_ = LinearWithReduceScatterOverlap.apply(input_parallel, self.weight,
                                                            self.gradient_accumulation_fusion, self.tp_group,

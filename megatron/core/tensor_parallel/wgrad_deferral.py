@@ -10,7 +10,7 @@ sequence parallelism the all-gather of the next microbatch's input overlaps the 
 import torch
 
 from megatron.core.process_groups_config import get_tensor_model_parallel_group_if_none
-from megatron.core.tensor_parallel.layers import accumulate_wgrad_fp32_, addmm_fp32_out_supported
+from megatron.core.tensor_parallel.wgrad_accumulation import accumulate_wgrad_fp32_, addmm_fp32_out_supported
 from megatron.core.tensor_parallel.mappings import all_gather_along_first_dim_async
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 

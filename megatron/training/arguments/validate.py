@@ -571,6 +571,22 @@ def _validate_tp_comm_overlap(args) -> List[str]:
     return []
 
 
+def _validate_fp8_param_gather(args) -> List[str]:
+    """Megatron's rule: FP8 parameters need a sharded optimizer that gathers them; here the distributed optimizer
+    (FSDP2's gather of FP8 bytes is not built)."""
+    if not getattr(args, "fp8_param_gather", False):
+        return []
+    if args.use_torch_fsdp2:
+        return ["--fp8-param-gather with --use-torch-fsdp2: FSDP2 does not all-gather FP8 parameters here; use "
+                "--use-distributed-optimizer instead of --use-torch-fsdp2 (or drop --fp8-param-gather)."]
+    if not args.use_distributed_optimizer:
+        return ["--fp8-param-gather is only supported with the distributed optimizer (as in Megatron): add "
+                "--use-distributed-optimizer or drop --fp8-param-gather."]
+    if args.fp8 is None:
+        return ["--fp8-param-gather needs --fp8-format (the FP8 parameters are those of the FP8 linears)."]
+    return []
+
+
 def _validate_cuda_graph(args) -> List[str]:
     """--enable-cuda-graph graphs whole layers with one micro-batch in flight (megatron/core/transformer/cuda_graphs.py)."""
     if not args.enable_cuda_graph:
@@ -602,7 +618,7 @@ VALIDATORS = (
     _validate_shape, _validate_pipeline, _validate_p2p, _validate_wgrad_deferral, _validate_overlap_and_sharding,
     _validate_precision,
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
-    _validate_cuda_graph, _validate_tp_comm_overlap, _validate_optimizer_cpu_offload, heterogeneous_config_problems,
-    validate_moe, validate_mamba,
+    _validate_cuda_graph, _validate_tp_comm_overlap, _validate_fp8_param_gather, _validate_optimizer_cpu_offload,
+    heterogeneous_config_problems, validate_moe, validate_mamba,
     context_parallel_problems,
 )

@@ -228,7 +228,7 @@ def test_config_problems_are_checked_once_by_the_plan():
     with pytest.raises(PlanError) as error:
         resolve_plan(bad, DeviceFacts())
     text = str(error.value)
-    assert "--fp8-recipe (fp8_recipe='mxfp8')" in text and "--fp8-param-gather (fp8_param)" in text
+    assert "--fp8-recipe (fp8_recipe='mxfp8')" in text and "fp8_param" not in text  # FP8 parameters are built
     assert "fp8_amax_history_len (0)" in text
     attention = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="e4m3",
                                   fp8_dot_product_attention=True)
@@ -262,7 +262,7 @@ def test_command_line_fp8_flags(monkeypatch):
     with pytest.raises(ArgumentsError) as error:
         validate_args(parse_args())
     text = str(error.value)
-    assert "--fp8-recipe blockwise" in text and "--fp8-param-gather" in text
+    assert "--fp8-recipe blockwise" in text and "--fp8-param-gather is only supported with the distributed" in text
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"] + base + ["--bf16", "--fp8-format", "e4m3",
                                                                    "--fp8-amax-history-len", "4", "--no-fp8-wgrad"])
     config = core_transformer_config_from_args(validate_args(parse_args()))

@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     linear_with_grad_accumulation_and_async_allreduce,
 )
-from megatron.core.tensor_parallel import layers
+from megatron.core.tensor_parallel import wgrad_accumulation as layers
 from megatron.core.utils import init_method_normal
 
 
