@@ -26,6 +26,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -58,9 +59,7 @@ def _transformer_engine_backend():
     return TESpecProvider()
 
 
-def _unsupported(multi_latent_attention, use_kitchen):
-    if multi_latent_attention:
-        raise ValueError("multi_latent_attention: MLA layers are not supported yet.")
+def _unsupported(use_kitchen):
     if use_kitchen:
         raise ValueError("use_kitchen: nvidia_kitchen layers are not supported.")
 
@@ -105,6 +104,54 @@ def _dense_layer_spec(backend, qk_layernorm: bool, qk_l2_norm: bool, normalizati
     )
 
 
+def _mla_layer_spec(backend, qk_layernorm: bool, normalization: Optional[str], num_experts: Optional[int] = None,
+                    moe_grouped_gemm: bool = False, moe_use_legacy_grouped_gemm: bool = False) -> ModuleSpec:
+    """A multi-latent-attention layer (Megatron's MLA specs): `input_layernorm` is always a module of its own; a
+    backend that fuses norms carries the q/kv latent norms in linear_q_up_proj / linear_kv_up_proj
+    (`layer_norm_weight`) and a dense layer's pre-MLP norm in linear_fc1, else they are `q_layernorm`,
+    `kv_layernorm` and `pre_mlp_layernorm`. No key remapping in either spec (as in Megatron)."""
+    rms = normalization == "RMSNorm"
+    fuse_norm = backend.fuse_layernorm_and_linear()
+    norm = backend.layer_norm(rms_norm=rms, for_qk=False)
+    if fuse_norm:
+        up_proj = backend.column_parallel_layer_norm_linear() if qk_layernorm else backend.column_parallel_linear()
+        latent_norm = IdentityOp
+    else:
+        up_proj = backend.column_parallel_linear()
+        latent_norm = backend.layer_norm(rms_norm=rms, for_qk=True) if qk_layernorm else IdentityOp
+    if num_experts:
+        mlp = get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm, moe_use_legacy_grouped_gemm)
+        pre_mlp_layernorm = norm
+    else:
+        mlp, pre_mlp_layernorm = _mlp_spec(backend), (IdentityOp if fuse_norm else norm)
+    column = backend.column_parallel_linear()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=MLASelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=MLASelfAttentionSubmodules(
+                    linear_q_proj=column,
+                    linear_q_down_proj=column,
+                    linear_q_up_proj=up_proj,
+                    linear_kv_down_proj=column,
+                    linear_kv_up_proj=up_proj,
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=latent_norm,
+                    kv_layernorm=latent_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_layernorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
 def _mlp_spec(backend) -> ModuleSpec:
     """A dense MLP of `backend`'s modules (the pre-MLP norm inside fc1 when the backend fuses norms)."""
     if backend.fuse_layernorm_and_linear():
@@ -126,7 +173,12 @@ def get_gpt_layer_local_spec(
     use_kitchen: bool = False,
 ) -> ModuleSpec:
     """Spec of a GPT layer built from native modules (an MoE layer with `num_experts`)."""
-    _unsupported(multi_latent_attention, use_kitchen)
+    _unsupported(use_kitchen)
+    if multi_latent_attention:
+        if qk_l2_norm:
+            raise ValueError("qk_l2_norm is not supported with multi_latent_attention (as in Megatron-LM).")
+        return _mla_layer_spec(LocalSpecProvider(), bool(qk_layernorm), normalization, num_experts,
+                               bool(moe_grouped_gemm), bool(moe_use_legacy_grouped_gemm))
     return _dense_layer_spec(LocalSpecProvider(), bool(qk_layernorm), bool(qk_l2_norm), normalization, num_experts,
                              bool(moe_grouped_gemm), bool(moe_use_legacy_grouped_gemm))
 
@@ -145,7 +197,12 @@ def get_gpt_layer_with_transformer_engine_spec(
     """Megatron's default (`--transformer-impl transformer_engine`) spec: TE's modules when Transformer
     Engine imports, else the native modules in TE's layout (one info line per process)."""
     backend = _transformer_engine_backend()
-    _unsupported(multi_latent_attention, use_kitchen)
+    _unsupported(use_kitchen)
+    if multi_latent_attention:
+        if qk_l2_norm:
+            raise ValueError("qk_l2_norm is not supported with multi_latent_attention (as in Megatron-LM).")
+        return _mla_layer_spec(backend, bool(qk_layernorm), None, num_experts, bool(moe_grouped_gemm),
+                               bool(moe_use_legacy_grouped_gemm))
     return _dense_layer_spec(backend, bool(qk_layernorm), bool(qk_l2_norm), None, num_experts, bool(moe_grouped_gemm),
                              bool(moe_use_legacy_grouped_gemm))
 
