@@ -90,7 +90,7 @@ def test_manifest_entries_are_well_formed():
     assert manifest["--fp8-format"]["status"] == "supported" and "mxfp8" in manifest["--fp8-recipe"]["rejected_values"]
     for flag in ("--moe-use-upcycling", "--fp8-param-gather", "--yaml-cfg", "--use-legacy-models", "--sft"):
         assert manifest[flag]["status"] == "rejected", flag
-    for flag in ("--num-layers", "--swiglu", "--multi-latent-attention", "--q-lora-rank", "--mscale", "--use-torch-fsdp2", "--use-distributed-optimizer", "--ckpt-format",
+    for flag in ("--num-layers", "--swiglu", "--multi-latent-attention", "--q-lora-rank", "--mscale", "--mtp-num-layers", "--use-torch-fsdp2", "--use-distributed-optimizer", "--ckpt-format",
                  "--optimizer-cpu-offload", "--heterogeneous-layers-config-path",
                  "--num-experts", "--expert-model-parallel-size", "--moe-grouped-gemm", "--context-parallel-size",
                  "--cp-comm-type", "--hierarchical-context-parallel-sizes"):

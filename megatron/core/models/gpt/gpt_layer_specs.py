@@ -27,6 +27,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+    get_mtp_num_layers_to_build,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -268,7 +274,47 @@ def get_gpt_decoder_block_spec(
     return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=final_norm)
 
 
+def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec, use_transformer_engine: bool) -> ModuleSpec:
+    """An MTP layer (enorm, hnorm, eh_proj, final norm of the backend) around `transformer_layer_spec`."""
+    backend = _transformer_engine_backend() if use_transformer_engine else LocalSpecProvider()
+    norm = backend.layer_norm()
+    return ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm, hnorm=norm, eh_proj=backend.column_parallel_linear(),
+            transformer_layer=transformer_layer_spec, layer_norm=norm,
+        ),
+    )
+
+
+def get_gpt_mtp_block_spec(
+    config: TransformerConfig,
+    spec,
+    use_transformer_engine: bool,
+    vp_stage: Optional[int] = None,
+) -> Optional[MultiTokenPredictionBlockSubmodules]:
+    """The MTP layers of this stage (all on the last pipeline stage; None elsewhere or without MTP). Each wraps the
+    decoder's last layer spec (`spec`: a block spec of the last stage, or one layer spec)."""
+    num_layers_to_build = get_mtp_num_layers_to_build(config, vp_stage=vp_stage)
+    if num_layers_to_build == 0:
+        return None
+    if isinstance(spec, TransformerBlockSubmodules):
+        if not spec.layer_specs:
+            raise ValueError("get_gpt_mtp_block_spec: the block spec of the MTP stage has no decoder layer; pass a "
+                             "layer spec instead.")
+        layer_spec = spec.layer_specs[-1]
+    elif isinstance(spec, ModuleSpec) and spec.module is TransformerLayer:
+        layer_spec = spec
+    else:
+        raise ValueError(f"get_gpt_mtp_block_spec: spec must be a TransformerBlockSubmodules or a TransformerLayer "
+                         f"ModuleSpec, got {spec!r}.")
+    mtp_spec = get_mtp_layer_spec(layer_spec, use_transformer_engine)
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_spec] * num_layers_to_build)
+
+
 __all__ = [
+    "get_gpt_mtp_block_spec",
+    "get_mtp_layer_spec",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
     "get_gpt_decoder_block_spec",
