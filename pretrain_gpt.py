@@ -12,6 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
@@ -55,8 +56,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage: Optional[int] 
             args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention,
             moe_use_legacy_grouped_gemm=args.moe_use_legacy_grouped_gemm, normalization=args.normalization,
             qk_l2_norm=args.qk_l2_norm)
+    mtp_block_spec = None
+    if args.mtp_num_layers is not None:
+        mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
     return GPTModel(
         config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
+        mtp_block_spec=mtp_block_spec,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -12,6 +12,7 @@ import torch
 
 from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.training.global_vars import (
     get_args, get_energy_monitor, get_tensorboard_writer, get_timers, get_wandb_writer)
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
@@ -262,6 +263,10 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
     _accumulate(loss_dict, total_loss_dict, skipped_iter)
+    if args.mtp_num_layers is not None:  # Megatron's MTP log entries: `mtp_1 loss`, ... (per-iteration sums)
+        MTPLossLoggingHelper.track_mtp_metrics(1 / get_num_microbatches(), iteration,
+                                               writer if _writes_scalars(args) else None, wandb_writer,
+                                               total_loss_dict)
     batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
     total_iterations = total_loss_dict[ADVANCED_ITERS_KEY] + total_loss_dict[SKIPPED_ITERS_KEY]
     is_log_iteration = iteration % args.log_interval == 0

@@ -54,6 +54,8 @@ class DotProductAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         model_comm_pgs=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ):
         super().__init__(config=config)
         self.cp_comm_type = None
@@ -70,9 +72,11 @@ class DotProductAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
         world_size = get_tp_world_size(get_model_comm_pgs_tp(model_comm_pgs))
-        projection_size = config.kv_channels * config.num_attention_heads
-        self.hidden_size_per_partition = divide(projection_size, world_size)
-        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        # multi-latent attention: query/key heads of k_channels, value (and output) heads of v_channels
+        k_channels = config.kv_channels if k_channels is None else k_channels
+        v_channels = config.kv_channels if v_channels is None else v_channels
+        self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, world_size)
+        self.hidden_size_per_attention_head = k_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
         if softmax_scale is None:

@@ -648,7 +648,7 @@ class TransformerConfig(ModelParallelConfig):
 
 @dataclass
 class MLATransformerConfig(TransformerConfig):
-    """TransformerConfig of multi-latent-attention models (DeepSeek style); MLA layers are not built here yet."""
+    """TransformerConfig of multi-latent-attention models (DeepSeek style), built by `MLASelfAttention`."""
 
     multi_latent_attention: bool = True
     """Use multi-latent attention."""
@@ -700,6 +700,23 @@ class MLATransformerConfig(TransformerConfig):
 
     mscale_all_dim: float = 0.707
     """YaRN mscale over all dimensions."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        problems = []
+        if self.rope_type not in ("rope", "yarn"):
+            problems.append(f"rope_type ({self.rope_type!r}) must be 'rope' or 'yarn'.")
+        if self.rotary_interleaved:
+            problems.append("rotary_interleaved is not supported with multi-latent attention (as in Megatron-LM).")
+        if self.qk_l2_norm:
+            problems.append("qk_l2_norm is not supported with multi-latent attention (as in Megatron-LM).")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} ({getattr(self, name)}) must be positive.")
+        if self.qk_pos_emb_head_dim % 2:
+            problems.append(f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even (RoPE rotates pairs).")
+        if problems:
+            raise ValueError("invalid MLATransformerConfig:\n  " + "\n  ".join(problems))
 
 
 __all__ = ["TransformerConfig", "MLATransformerConfig"]

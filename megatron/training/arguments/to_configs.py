@@ -15,7 +15,7 @@ from megatron.core.activations import openai_gelu, squared_relu
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 # TransformerConfig fields set from differently named arguments (Megatron's rename table).
 TRANSFORMER_RENAMES = {
@@ -145,6 +145,8 @@ def core_transformer_config_from_args(args, config_class=None):
     """Megatron-LM's `core_transformer_config_from_args`: a `TransformerConfig` (or `config_class`) from args;
     a `HeterogeneousTransformerConfig` with --heterogeneous-layers-config-path (as in Megatron, whatever
     `config_class` says)."""
+    if config_class is None and getattr(args, "multi_latent_attention", False):
+        config_class = MLATransformerConfig  # Megatron's pretrain_gpt.py picks it for --multi-latent-attention
     config_class = config_class or TransformerConfig
     if getattr(args, "heterogeneous_layers_config_path", None) is not None:
         config_class = HeterogeneousTransformerConfig

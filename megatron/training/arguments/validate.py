@@ -27,6 +27,7 @@ from megatron.training.arguments.heterogeneous import heterogeneous_config_probl
 from megatron.training.arguments.manifest import rejected_flag_problems
 from megatron.training.arguments.parser import UNKNOWN_ARGS_ATTR, _print_args, megatron_actions
 from megatron.training.arguments.validate_mamba import validate_mamba
+from megatron.training.arguments.validate_mla import validate_mla_mtp
 from megatron.training.arguments.validate_moe import validate_moe
 
 
@@ -619,6 +620,6 @@ VALIDATORS = (
     _validate_precision,
     _validate_checkpointing, _validate_recompute, _validate_communication, _validate_misc,
     _validate_cuda_graph, _validate_tp_comm_overlap, _validate_fp8_param_gather, _validate_optimizer_cpu_offload,
-    heterogeneous_config_problems, validate_moe, validate_mamba,
+    heterogeneous_config_problems, validate_moe, validate_mamba, validate_mla_mtp,
     context_parallel_problems,
 )

@@ -88,10 +88,11 @@ def test_manifest_entries_are_well_formed():
                  "--use-flash-attn"):
         assert manifest[flag]["status"] == "accepted", flag
     assert manifest["--fp8-format"]["status"] == "supported" and "mxfp8" in manifest["--fp8-recipe"]["rejected_values"]
-    assert manifest["--fp8-param-gather"]["status"] == "supported"
     for flag in ("--use-legacy-models",):
         assert manifest[flag]["status"] == "rejected", flag
-    for flag in ("--num-layers", "--swiglu", "--use-torch-fsdp2", "--use-distributed-optimizer", "--ckpt-format",
+    for flag in ("--num-layers", "--swiglu", "--multi-latent-attention", "--q-lora-rank", "--mscale", "--mtp-num-layers",
+                 "--use-torch-fsdp2", "--use-distributed-optimizer", "--ckpt-format", "--yaml-cfg", "--fp8-param-gather",
+                 "--mamba-state-dim", "--hybrid-override-pattern",
                  "--optimizer-cpu-offload", "--heterogeneous-layers-config-path",
                  "--num-experts", "--expert-model-parallel-size", "--moe-grouped-gemm", "--context-parallel-size",
                  "--cp-comm-type", "--hierarchical-context-parallel-sizes"):

@@ -26,6 +26,13 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+    get_mtp_num_layers_to_build,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -58,9 +65,7 @@ def _transformer_engine_backend():
     return TESpecProvider()
 
 
-def _unsupported(multi_latent_attention, use_kitchen):
-    if multi_latent_attention:
-        raise ValueError("multi_latent_attention: MLA layers are not supported yet.")
+def _unsupported(use_kitchen):
     if use_kitchen:
         raise ValueError("use_kitchen: nvidia_kitchen layers are not supported.")
 
@@ -105,6 +110,54 @@ def _dense_layer_spec(backend, qk_layernorm: bool, qk_l2_norm: bool, normalizati
     )
 
 
+def _mla_layer_spec(backend, qk_layernorm: bool, normalization: Optional[str], num_experts: Optional[int] = None,
+                    moe_grouped_gemm: bool = False, moe_use_legacy_grouped_gemm: bool = False) -> ModuleSpec:
+    """A multi-latent-attention layer (Megatron's MLA specs): `input_layernorm` is always a module of its own; a
+    backend that fuses norms carries the q/kv latent norms in linear_q_up_proj / linear_kv_up_proj
+    (`layer_norm_weight`) and a dense layer's pre-MLP norm in linear_fc1, else they are `q_layernorm`,
+    `kv_layernorm` and `pre_mlp_layernorm`. No key remapping in either spec (as in Megatron)."""
+    rms = normalization == "RMSNorm"
+    fuse_norm = backend.fuse_layernorm_and_linear()
+    norm = backend.layer_norm(rms_norm=rms, for_qk=False)
+    if fuse_norm:
+        up_proj = backend.column_parallel_layer_norm_linear() if qk_layernorm else backend.column_parallel_linear()
+        latent_norm = IdentityOp
+    else:
+        up_proj = backend.column_parallel_linear()
+        latent_norm = backend.layer_norm(rms_norm=rms, for_qk=True) if qk_layernorm else IdentityOp
+    if num_experts:
+        mlp = get_moe_module_spec_for_backend(backend, num_experts, moe_grouped_gemm, moe_use_legacy_grouped_gemm)
+        pre_mlp_layernorm = norm
+    else:
+        mlp, pre_mlp_layernorm = _mlp_spec(backend), (IdentityOp if fuse_norm else norm)
+    column = backend.column_parallel_linear()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=MLASelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=MLASelfAttentionSubmodules(
+                    linear_q_proj=column,
+                    linear_q_down_proj=column,
+                    linear_q_up_proj=up_proj,
+                    linear_kv_down_proj=column,
+                    linear_kv_up_proj=up_proj,
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=latent_norm,
+                    kv_layernorm=latent_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_layernorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
 def _mlp_spec(backend) -> ModuleSpec:
     """A dense MLP of `backend`'s modules (the pre-MLP norm inside fc1 when the backend fuses norms)."""
     if backend.fuse_layernorm_and_linear():
@@ -126,7 +179,12 @@ def get_gpt_layer_local_spec(
     use_kitchen: bool = False,
 ) -> ModuleSpec:
     """Spec of a GPT layer built from native modules (an MoE layer with `num_experts`)."""
-    _unsupported(multi_latent_attention, use_kitchen)
+    _unsupported(use_kitchen)
+    if multi_latent_attention:
+        if qk_l2_norm:
+            raise ValueError("qk_l2_norm is not supported with multi_latent_attention (as in Megatron-LM).")
+        return _mla_layer_spec(LocalSpecProvider(), bool(qk_layernorm), normalization, num_experts,
+                               bool(moe_grouped_gemm), bool(moe_use_legacy_grouped_gemm))
     return _dense_layer_spec(LocalSpecProvider(), bool(qk_layernorm), bool(qk_l2_norm), normalization, num_experts,
                              bool(moe_grouped_gemm), bool(moe_use_legacy_grouped_gemm))
 
@@ -145,7 +203,12 @@ def get_gpt_layer_with_transformer_engine_spec(
     """Megatron's default (`--transformer-impl transformer_engine`) spec: TE's modules when Transformer
     Engine imports, else the native modules in TE's layout (one info line per process)."""
     backend = _transformer_engine_backend()
-    _unsupported(multi_latent_attention, use_kitchen)
+    _unsupported(use_kitchen)
+    if multi_latent_attention:
+        if qk_l2_norm:
+            raise ValueError("qk_l2_norm is not supported with multi_latent_attention (as in Megatron-LM).")
+        return _mla_layer_spec(backend, bool(qk_layernorm), None, num_experts, bool(moe_grouped_gemm),
+                               bool(moe_use_legacy_grouped_gemm))
     return _dense_layer_spec(backend, bool(qk_layernorm), bool(qk_l2_norm), None, num_experts, bool(moe_grouped_gemm),
                              bool(moe_use_legacy_grouped_gemm))
 
@@ -211,7 +274,47 @@ def get_gpt_decoder_block_spec(
     return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=final_norm)
 
 
+def get_mtp_layer_spec(transformer_layer_spec: ModuleSpec, use_transformer_engine: bool) -> ModuleSpec:
+    """An MTP layer (enorm, hnorm, eh_proj, final norm of the backend) around `transformer_layer_spec`."""
+    backend = _transformer_engine_backend() if use_transformer_engine else LocalSpecProvider()
+    norm = backend.layer_norm()
+    return ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm, hnorm=norm, eh_proj=backend.column_parallel_linear(),
+            transformer_layer=transformer_layer_spec, layer_norm=norm,
+        ),
+    )
+
+
+def get_gpt_mtp_block_spec(
+    config: TransformerConfig,
+    spec,
+    use_transformer_engine: bool,
+    vp_stage: Optional[int] = None,
+) -> Optional[MultiTokenPredictionBlockSubmodules]:
+    """The MTP layers of this stage (all on the last pipeline stage; None elsewhere or without MTP). Each wraps the
+    decoder's last layer spec (`spec`: a block spec of the last stage, or one layer spec)."""
+    num_layers_to_build = get_mtp_num_layers_to_build(config, vp_stage=vp_stage)
+    if num_layers_to_build == 0:
+        return None
+    if isinstance(spec, TransformerBlockSubmodules):
+        if not spec.layer_specs:
+            raise ValueError("get_gpt_mtp_block_spec: the block spec of the MTP stage has no decoder layer; pass a "
+                             "layer spec instead.")
+        layer_spec = spec.layer_specs[-1]
+    elif isinstance(spec, ModuleSpec) and spec.module is TransformerLayer:
+        layer_spec = spec
+    else:
+        raise ValueError(f"get_gpt_mtp_block_spec: spec must be a TransformerBlockSubmodules or a TransformerLayer "
+                         f"ModuleSpec, got {spec!r}.")
+    mtp_spec = get_mtp_layer_spec(layer_spec, use_transformer_engine)
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_spec] * num_layers_to_build)
+
+
 __all__ = [
+    "get_gpt_mtp_block_spec",
+    "get_mtp_layer_spec",
     "get_gpt_layer_local_spec",
     "get_gpt_layer_with_transformer_engine_spec",
     "get_gpt_decoder_block_spec",

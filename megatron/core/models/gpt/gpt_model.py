@@ -3,11 +3,12 @@ from typing import Dict, Literal, Optional
 
 import torch
 
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -44,8 +45,6 @@ class GPTModel(LanguageModule):
         vp_stage: Optional[int] = None,
     ):
         super().__init__(config=config, model_comm_pgs=model_comm_pgs)
-        if mtp_block_spec is not None or config.mtp_num_layers:
-            raise ValueError("multi-token prediction (mtp_block_spec / mtp_num_layers) is not supported yet.")
         if position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(
                 f"position_embedding_type ({position_embedding_type!r}) must be 'learned_absolute', 'rope' or 'none'."
@@ -64,11 +63,12 @@ class GPTModel(LanguageModule):
         self.rotary_percent = rotary_percent
         self.rotary_base = rotary_base
         self.rotary_scaling = rope_scaling
-        self.mtp_process = False
+        self.mtp_block_spec = mtp_block_spec
+        self.mtp_process = mtp_block_spec is not None
         self.vp_stage = vp_stage
         tp_group = getattr(model_comm_pgs, "tp", None) if model_comm_pgs is not None else None
 
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:  # the MTP stage embeds the rolled tokens itself
             self.embedding = LanguageModelEmbedding(
                 config=config,
                 vocab_size=vocab_size,
@@ -89,6 +89,9 @@ class GPTModel(LanguageModule):
             model_comm_pgs=model_comm_pgs,
             vp_stage=vp_stage,
         )
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(config=config, spec=self.mtp_block_spec, vp_stage=vp_stage,
+                                                 model_comm_pgs=model_comm_pgs)
         if self.post_process:
             # With defer_embedding_wgrad_compute the output layer keeps every microbatch's input and output
             # gradient here; the schedule computes its weight gradients during the pipeline flush.
@@ -97,7 +100,7 @@ class GPTModel(LanguageModule):
             self.grad_output_buffer = [] if deferred else None
             self.output_layer = self._build_output_layer(tp_group)
             self.output_layer.register_load_state_dict_pre_hook(_default_extra_state)
-        if self.pre_process or self.post_process:
+        if self.pre_process or self.post_process or self.mtp_process:
             self.setup_embeddings_and_output_layer()
 
     def _build_rotary_embedding(self, rotary_percent, rotary_base, rope_scaling, rope_scaling_factor, interpolation):
@@ -123,7 +126,9 @@ class GPTModel(LanguageModule):
             bias=False,
             skip_bias_add=False,
             gather_output=not self.parallel_output,
-            skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+            # tied: the output layer uses the embedding weight of this stage (the MTP stage has its own copy)
+            skip_weight_param_allocation=(self.pre_process or self.mtp_process)
+            and self.share_embeddings_and_output_weights,
             embedding_activation_buffer=self.embedding_activation_buffer,
             grad_output_buffer=self.grad_output_buffer,
             tp_group=tp_group,
@@ -176,6 +181,11 @@ class GPTModel(LanguageModule):
         if inference_context is not None and inference_context.materialize_only_last_token_logits:
             hidden_states = inference_context.last_token_hidden_states(hidden_states)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if self.mtp_process and labels is not None:
+            hidden_states = self.mtp(
+                input_ids, position_ids, hidden_states, attention_mask, labels, loss_mask, self.embedding,
+                self.output_layer, output_weight, self.compute_language_model_loss, rotary_pos_emb=rotary_pos_emb,
+                packed_seq_params=packed_seq_params, runtime_gather_output=runtime_gather_output)
         logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [s, b, V/TP] -> [b, s, V/TP]
@@ -186,6 +196,13 @@ class GPTModel(LanguageModule):
         (it is always empty), so the key set equals theirs; loading fills it in (`_default_extra_state`)."""
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         sharded.pop(f"{prefix}output_layer._extra_state", None)
+        embedding_key = f"{prefix}embedding.word_embeddings.weight"
+        if self.mtp_process and not self.pre_process and embedding_key in sharded:
+            # the MTP stage's embedding copy: the first stage's is the primary (Megatron's replica id)
+            if self.share_embeddings_and_output_weights:
+                sharded.pop(f"{prefix}output_layer.weight", None)
+            dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+            sharded[embedding_key].replica_id = (1, 0, dp_rank)
         return sharded
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> Dict[str, torch.Tensor]:

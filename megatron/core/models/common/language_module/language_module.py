@@ -67,9 +67,10 @@ class LanguageModule(MegatronModule):
         """Mark embedding/output weights and, for tied weights, make every copy start equal."""
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
-        if self.pre_process:
+        if self.pre_process or getattr(self, "mtp_process", False):
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
-        if not self.share_embeddings_and_output_weights:
+        mtp = bool(getattr(self.config, "mtp_num_layers", None))
+        if not self.share_embeddings_and_output_weights and not mtp:
             return
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             self.shared_embedding_or_output_weight().zero_out_wgrad = True
@@ -77,10 +78,12 @@ class LanguageModule(MegatronModule):
         vp_stage = getattr(self, "vp_stage", None)
         if self.pre_process and not self.post_process:
             self.shared_embedding_or_output_weight().shared_embedding = True
-        if self.post_process and not self.pre_process:
-            self.output_layer.weight.data.fill_(0)
-            self.output_layer.weight.shared = True
-            self.output_layer.weight.shared_embedding = True
+        if (self.post_process or getattr(self, "mtp_process", False)) and not self.pre_process:
+            # the copy on the last stage (output layer or MTP embedding) starts from the first stage's weight
+            weight = self.shared_embedding_or_output_weight()
+            weight.data.fill_(0)
+            weight.shared = True
+            weight.shared_embedding = True
         if torch.distributed.is_initialized():
             if parallel_state.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=vp_stage):
                 weight = self.shared_embedding_or_output_weight()
@@ -94,8 +97,9 @@ class LanguageModule(MegatronModule):
             )
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        """The word-embedding weight on the first stage, the output weight on the last, else None."""
-        if self.pre_process:
+        """The word-embedding weight on the first stage and the MTP stage, the output weight on the last, else
+        None."""
+        if self.pre_process or getattr(self, "mtp_process", False):
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
