@@ -122,9 +122,10 @@ def test_derived_values_and_args_defaults(capsys):
      "--use-distributed-optimizer", 2,
      ["--ckpt-format torch_dcp with --save cannot store this run: --tensor-model-parallel-size is 2",
       "cannot store this run: --use-distributed-optimizer: its optimizer state lives outside"]),
-    ("--batch-size 4 --warmup 10 --yaml-cfg x.yaml --ddp-num-buckets 2 --ddp-bucket-size 10", 2,
+    ("--batch-size 4 --warmup 10 --retro-project-dir x --yaml-cfg x.yaml --ddp-num-buckets 2 --ddp-bucket-size 10", 2,
      ["--batch-size (4) was removed from Megatron-LM; use --micro-batch-size", "--warmup (10) was removed",
-      "--yaml-cfg (x.yaml) is a Megatron-LM flag this framework does not implement yet",
+      "--retro-project-dir (x) is a Megatron-LM flag this framework does not implement yet",
+      "--yaml-cfg x.yaml: cannot read the file",
       "--ddp-num-buckets (2) and --ddp-bucket-size (10) are exclusive"]),
 ])
 def test_validation_rules(extra, world_size, pieces):
