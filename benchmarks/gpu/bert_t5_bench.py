@@ -64,14 +64,15 @@ def write_vocab(path: str, size: int) -> None:
 
 
 def write_corpus(prefix: str, vocab_size: int, num_docs: int, seed: int = 0) -> None:
-    """Sentence-level `.bin/.idx` (what `preprocess_data.py --split-sentences` writes): documents of 2-12
-    sentences of 8-48 random non-special token ids."""
+    """Sentence-level `.bin/.idx` (what `preprocess_data.py --split-sentences` writes): documents of 10-60
+    sentences of 8-48 random non-special token ids (~1000 tokens, so most BERT samples fill the sequence and
+    the rest are the short-sequence and document-end samples, as on a Wikipedia-like corpus)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
     rng = numpy.random.default_rng(seed)
     builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=numpy.int32)
     for _ in range(num_docs):
-        lengths = rng.integers(8, 49, size=int(rng.integers(2, 13))).tolist()
+        lengths = rng.integers(8, 49, size=int(rng.integers(10, 61))).tolist()
         tokens = rng.integers(len(SPECIALS), vocab_size, size=sum(lengths)).astype(numpy.int32)
         builder.add_document(tokens, lengths)
     builder.finalize(get_idx_path(prefix))
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     parser.add_argument("--t5-mbs", type=int, default=64, help="T5 micro-batch (= global batch), Megatron's 64")
     parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default 8; smoke 1)")
     parser.add_argument("--only", default="gpt,bert,t5", help="comma-separated subset of gpt,bert,t5")
-    parser.add_argument("--num-docs", type=int, default=None, help="synthetic corpus documents (default 20000)")
+    parser.add_argument("--num-docs", type=int, default=None, help="synthetic corpus documents (default 4000)")
     parser.add_argument("--timeout", type=float, default=400, help="seconds per run")
     parser.add_argument("--work-dir", default=None, help="where the corpus and logs go (default: a temp dir)")
     parser.add_argument("--out", default=None, help="JSON file to write (also printed)")
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     dense, _, vocab_size, bert_mbs, t5_mbs = shapes(args.smoke, args.bert_mbs, args.t5_mbs)
     write_vocab(os.path.join(work, "vocab.txt"), vocab_size)
     write_corpus(os.path.join(work, "corpus_text_sentence"), vocab_size,
-                 args.num_docs or (300 if args.smoke else 20000))
+                 args.num_docs or (100 if args.smoke else 4000))
     results = {}
     for name, cmd in jobs(args, work):
         results[name] = run(name, cmd, work, args.timeout)

@@ -92,3 +92,85 @@ def test_bf16_cuda_bert_with_fused_kernels_matches_fp32_cpu(padded):
     names = " ".join(event.name.lower() for event in prof.key_averages())
     if not padded:
         assert "flash" in names or "cudnn" in names, names[:2000]
+
+
+def _reference_varlen_forward(q, k, v, plan, scale, dropout_p):
+    """Per-row full attention over the packed segments (the test's stand-in for FlashAttention's kernel)."""
+    outs = []
+    cu = plan.cu_seqlens.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [L, n, hn] -> [n, L, hn]
+        probs = torch.softmax(qs @ ks.transpose(1, 2) * scale, dim=-1)
+        outs.append((probs @ vs).transpose(0, 1))  # [n, L, hn] -> [L, n, hn]
+    return torch.cat(outs), None, None, None
+
+
+def _reference_varlen_backward(dout, q, k, v, out, lse, plan, scale, dropout_p, rng_state, unused):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        again, _, _, _ = _reference_varlen_forward(q, k, v, plan, scale, dropout_p)
+        return torch.autograd.grad(again, (q, k, v), dout)
+
+
+def test_packed_varlen_padding_attention_equals_masked_sdpa(monkeypatch):
+    """The packing, kernel call and scatter of PaddingVarlenAttention (kernel swapped for a reference, on CPU):
+    outputs of real tokens and the gradients of q, k, v equal masked SDPA's; padded query rows are zero."""
+    from megatron.core.models.bert import padding_attention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    init_single_rank()
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, attention_dropout=0.0)
+    attention = padding_attention.PaddingVarlenAttention(config, 1, AttnMaskType.padding, "self")
+    reference = dot_product_attention.DotProductAttention(config, 1, AttnMaskType.padding, "self")
+    gen = torch.Generator().manual_seed(3)
+    s, b, n, hn = 12, 3, 4, 16
+    q, k, v = (torch.randn(s, b, n, hn, generator=gen, requires_grad=True) for _ in range(3))
+    pad = torch.ones(b, s, dtype=torch.bool)
+    pad[1, 7:] = False
+    pad[2, 2:5] = False  # any key pattern, not only right padding
+    mask = ~pad[:, None, None, :]
+    monkeypatch.setattr(padding_attention.PaddingVarlenAttention, "kernel_forward",
+                        staticmethod(_reference_varlen_forward))
+    monkeypatch.setattr(padding_attention.PaddingVarlenAttention, "kernel_backward",
+                        staticmethod(_reference_varlen_backward))
+    monkeypatch.setattr(padding_attention.PaddingVarlenAttention, "uses_varlen", lambda self, *a: True)
+    got = attention(q, k, v, mask)
+    want = reference(q, k, v, mask)
+    rows = pad.t()  # [b, s] -> [s, b]
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(got[~rows]) == 0
+    dout = torch.randn(got.shape, generator=gen) * rows[..., None]
+    grads = torch.autograd.grad(got, (q, k, v), dout)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    plan = padding_attention.padding_plan(mask)
+    assert plan.cu_seqlens.tolist() == [0, 12, 19, 28] and plan.max_seqlen == 12
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_varlen_padding_attention_on_gpu_matches_masked_sdpa():
+    """FlashAttention's varlen kernel (bf16) against masked SDPA: outputs of real tokens and q/k/v gradients."""
+    from megatron.core.models.bert import padding_attention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    init_single_rank()
+    config = TransformerConfig(num_layers=1, hidden_size=1024, num_attention_heads=16, attention_dropout=0.0)
+    attention = padding_attention.PaddingVarlenAttention(config, 1, AttnMaskType.padding, "self")
+    reference = dot_product_attention.DotProductAttention(config, 1, AttnMaskType.padding, "self")
+    gen = torch.Generator().manual_seed(3)
+    s, b, n, hn = 512, 4, 16, 64
+    q, k, v = (torch.randn(s, b, n, hn, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
+    pad = torch.ones(b, s, dtype=torch.bool)
+    pad[1, 300:] = False
+    pad[3, 17:] = False
+    mask = (~pad[:, None, None, :]).cuda()
+    assert attention.uses_varlen(q, mask, AttnMaskType.padding, None, None)
+    got = attention(q, k, v, mask)
+    want = reference(q, k, v, mask)
+    rows = pad.t().cuda()
+    torch.testing.assert_close(got[rows].float(), want[rows].float(), rtol=2e-2, atol=2e-2)
+    dout = torch.randn(got.shape, generator=gen).cuda().bfloat16() * rows[..., None]
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(g.float(), w.float(), rtol=3e-2, atol=3e-2)
