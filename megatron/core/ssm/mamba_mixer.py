@@ -81,7 +81,9 @@ def _split_sharded_factory(original: ShardedTensor, sizes, names) -> ShardedTens
     prepend = tuple((i, original.global_offset[i], original.global_shape[i]) for i in range(axis))
 
     def build(key, data, replica_id, flattened_range):
-        pieces = torch.split(data, list(sizes), dim=0)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        # narrow, not split: the loader writes into these views in place
+        pieces = [data.narrow(0, start, size) for start, size in zip(starts, sizes)]
         return {name: ShardedTensor.from_rank_offsets(f"{key}.{name}", piece, *prepend, (axis, tp_rank, tp_size),
                                                       replica_id=replica_id, prepend_axis_num=axis)
                 for name, piece in zip(names, pieces)}
