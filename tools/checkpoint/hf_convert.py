@@ -5,8 +5,9 @@
         [--target-tensor-parallel-size 2] [--target-pipeline-parallel-size 2]
 
 Supported: Llama / Mistral / Qwen2 (qkv bias) / Qwen3 (qk-norm) style models (RoPE, RMSNorm, SwiGLU,
-GQA, tied or untied), GPT-2 (learned positions, LayerNorm, GELU, biases) and the MoE models Mixtral and
-Qwen3-MoE (SequentialMLP expert keys, EP=1 on the Megatron side; `hf_mapping_moe`). The HF side is a local
+GQA, tied or untied), GPT-2 (learned positions, LayerNorm, GELU, biases), the MoE models Mixtral and
+Qwen3-MoE (SequentialMLP expert keys, EP=1 on the Megatron side; `hf_mapping_moe`) and Mamba2
+(`hf_mapping_mamba`; any TP on import, TP=1 PP=1 on export). The HF side is a local
 directory with `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`);
 nothing is downloaded.
 """
@@ -23,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
-from tools.checkpoint import hf_mapping
+from tools.checkpoint import hf_mapping, hf_mapping_mamba
 from tools.checkpoint.legacy_layout import read_legacy_checkpoint, write_legacy_checkpoint
 from tools.checkpoint.model_description import (
     ModelDescription,
@@ -70,8 +71,12 @@ def write_hf_dir(hf_dir: str, config: dict, state: Dict[str, torch.Tensor]) -> N
 
 
 def megatron_to_hf(load_dir: str, save_dir: str, true_vocab_size: Optional[int] = None,
-                   dtype: Optional[str] = None) -> ModelDescription:
-    """Convert a legacy-layout Megatron checkpoint (any TP/PP) into an HF directory."""
+                   dtype: Optional[str] = None) -> Optional[ModelDescription]:
+    """Convert a legacy-layout Megatron checkpoint (any TP/PP; a Mamba model at TP=1, PP=1) into an HF directory."""
+    if hf_mapping_mamba.is_mamba_checkpoint_args(hf_mapping_mamba.read_megatron_args(load_dir)):
+        config, state = hf_mapping_mamba.read_megatron_dir(load_dir)
+        write_hf_dir(save_dir, config, state)
+        return None
     full, _, _, desc = read_legacy_checkpoint(load_dir, from_megatron_args)
     if true_vocab_size is not None:
         desc.true_vocab_size = true_vocab_size
@@ -84,10 +89,15 @@ def megatron_to_hf(load_dir: str, save_dir: str, true_vocab_size: Optional[int] 
 
 
 def hf_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, iteration: Optional[int] = None,
-                   make_vocab_size_divisible_by: Optional[int] = None) -> ModelDescription:
+                   make_vocab_size_divisible_by: Optional[int] = None) -> Optional[ModelDescription]:
     """Convert an HF directory into a legacy-layout Megatron checkpoint at TP=`tp`, PP=`pp`
     (a `release` checkpoint unless `iteration` is given)."""
     config, hf_state = read_hf_dir(load_dir)
+    if config.get("model_type") == "mamba2":
+        if pp != 1:
+            raise ValueError(f"--target-pipeline-parallel-size {pp}: Mamba2 checkpoints are written at PP=1 here.")
+        hf_mapping_mamba.write_megatron_dir(config, hf_state, save_dir, tp)
+        return None
     desc = from_hf_config(config, make_vocab_size_divisible_by, tp)
     full = hf_mapping.hf_to_megatron(hf_state, desc)
     args = to_megatron_args(desc, tp, pp, iteration or 0)
@@ -119,7 +129,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     else:
         desc = hf_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                               args.target_pipeline_parallel_size, args.iteration, args.make_vocab_size_divisible_by)
-    print(f"converted {args.load_dir} -> {args.save_dir} ({desc.num_layers} layers, hidden {desc.hidden_size})")
+    what = f" ({desc.num_layers} layers, hidden {desc.hidden_size})" if desc is not None else " (Mamba2)"
+    print(f"converted {args.load_dir} -> {args.save_dir}{what}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.ssm import ops
 from megatron.core.ssm.gated_rmsnorm import RMSNormGated
+from megatron.core.ssm.mamba_state import decode_step, store_prefill
 from megatron.core.tensor_parallel.utils import make_tp_sharded_tensor_for_checkpoint
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -81,7 +82,9 @@ def _split_sharded_factory(original: ShardedTensor, sizes, names) -> ShardedTens
     prepend = tuple((i, original.global_offset[i], original.global_shape[i]) for i in range(axis))
 
     def build(key, data, replica_id, flattened_range):
-        pieces = torch.split(data, list(sizes), dim=0)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        # narrow, not split: the loader writes into these views in place
+        pieces = [data.narrow(0, start, size) for start, size in zip(starts, sizes)]
         return {name: ShardedTensor.from_rank_offsets(f"{key}.{name}", piece, *prepend, (axis, tp_rank, tp_size),
                                                       replica_id=replica_id, prepend_axis_num=axis)
                 for name, piece in zip(names, pieces)}
@@ -154,19 +157,29 @@ class MambaMixer(MegatronModule):
             param._no_weight_decay = True
 
     def forward(self, hidden_states: torch.Tensor, inference_context=None, *, inference_params=None):
-        """[s, b, h] (or [s/tp, b, h] with SP) -> (out [s, b, h] or [s/tp, b, h], out_proj bias)."""
+        """[s, b, h] (or [s/tp, b, h] with SP) -> (out [s, b, h] or [s/tp, b, h], out_proj bias).
+
+        With a static inference context the prompt's final conv/SSM states are kept and later single-token
+        forwards (`sequence_len_offset > 0`) advance them (`mamba_state.py`)."""
+        context = inference_context if inference_context is not None else inference_params
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, in_proj_rows/tp]
+        if context is not None and context.sequence_len_offset > 0:
+            if zxbcdt.shape[0] != 1:
+                raise ValueError(f"MambaMixer decodes one token per step, got {zxbcdt.shape[0]}")
+            y, z = decode_step(self, context, zxbcdt[0])
+            y = self.norm(y, z)[None]  # [b, d] -> [1, b, d]
+            return self.out_proj(y)
         zxbcdt = zxbcdt.transpose(0, 1)  # [s, b, r] -> [b, s, r]
-        y = self.ssm(zxbcdt)  # [b, s, d_inner/tp]
+        y = self.ssm(zxbcdt, context)  # [b, s, d_inner/tp]
         y = y.transpose(0, 1).contiguous()  # [b, s, d] -> [s, b, d]
         return self.out_proj(y)
 
-    def ssm(self, zxbcdt: torch.Tensor) -> torch.Tensor:
+    def ssm(self, zxbcdt: torch.Tensor, context=None) -> torch.Tensor:
         """Conv, scan, gate and norm: zxbcdt [b, l, rows/tp] -> y [b, l, d_inner/tp]."""
         b, length, _ = zxbcdt.shape
         groups_state = self.ngroups_local * self.d_state
-        z, xbc, dt = torch.split(zxbcdt, [self.d_inner_local, self.conv_dim_local, self.nheads_local], dim=-1)
-        xbc = ops.causal_conv1d(xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+        z, xbc_in, dt = torch.split(zxbcdt, [self.d_inner_local, self.conv_dim_local, self.nheads_local], dim=-1)
+        xbc = ops.causal_conv1d(xbc_in.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                 activation="silu", impl=self.ssm_impl).transpose(1, 2)  # [b, l, conv_dim/tp]
         x, B, C = torch.split(xbc, [self.d_inner_local, groups_state, groups_state], dim=-1)
         x = x.reshape(b, length, self.nheads_local, self.headdim)  # [b, l, d] -> [b, l, h, p]
@@ -174,9 +187,12 @@ class MambaMixer(MegatronModule):
         C = C.reshape(b, length, self.ngroups_local, self.d_state)  # [b, l, G*N] -> [b, l, G, N]
         A = -torch.exp(self.A_log.float())
         z_heads = z.reshape(b, length, self.nheads_local, self.headdim) if self.use_mem_eff_path else None
-        y = ops.ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=self.D, z=z_heads, dt_bias=self.dt_bias,
-                               dt_softplus=True, impl=self.ssm_impl)
-        y = y.reshape(b, length, self.d_inner_local)  # [b, l, h, p] -> [b, l, d]
+        out = ops.ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=self.D, z=z_heads, dt_bias=self.dt_bias,
+                                 dt_softplus=True, return_final_states=context is not None, impl=self.ssm_impl)
+        if context is not None:
+            out, final_state = out
+            store_prefill(self, context, xbc_in, final_state)
+        y = out.reshape(b, length, self.d_inner_local)  # [b, l, h, p] -> [b, l, d]
         return self.norm(y) if self.use_mem_eff_path else self.norm(y, z)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):

@@ -124,3 +124,29 @@ def test_model_keys_and_backward():
     loss = model(ids, torch.arange(16)[None].expand(2, -1), None, labels=ids)
     loss.mean().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mem_eff", [True, False])
+def test_decoding_with_states_equals_full_recompute(mem_eff):
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = MambaModel(_config(use_mamba_mem_eff_path=mem_eff), mamba_stack_spec, vocab_size=64,
+                       max_sequence_length=32, hybrid_override_pattern="M*M-").eval()
+    for layer in (model.decoder.layers[0], model.decoder.layers[2]):
+        layer.mixer.chunk_size = 4
+    ids = torch.randint(0, 64, (2, 15))
+    with torch.no_grad():
+        full = model(ids, torch.arange(15)[None].expand(2, -1), None)  # [b, s, V]
+        context = StaticInferenceContext(max_batch_size=2, max_sequence_length=32,
+                                         materialize_only_last_token_logits=False)
+        prompt = model(ids[:, :10], torch.arange(10)[None].expand(2, -1), None, inference_context=context)
+        torch.testing.assert_close(prompt, full[:, :10], rtol=1e-5, atol=1e-5)
+        context.sequence_len_offset = 10
+        for t in range(10, 15):
+            step = model(ids[:, t:t + 1], torch.full((2, 1), t), None, inference_context=context)
+            torch.testing.assert_close(step[:, 0], full[:, t], rtol=1e-4, atol=1e-4)
+            context.sequence_len_offset += 1
+    conv, ssm = context.key_value_memory_dict[1]
+    assert conv.shape == (4, 2, 64 + 2 * 2 * 8) and ssm.shape == (8, 2, 8, 8)

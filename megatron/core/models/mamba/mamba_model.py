@@ -87,6 +87,8 @@ class MambaModel(LanguageModule):
                                      inference_context=inference_context, rotary_pos_emb=rotary_pos_emb)
         if not self.post_process:
             return hidden_states
+        if inference_context is not None and inference_context.materialize_only_last_token_logits:
+            hidden_states = inference_context.last_token_hidden_states(hidden_states)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
         if labels is None:
