@@ -138,7 +138,11 @@ def main():
     y_ours = ours().detach().float()
     grads_ours = {k: v.grad.detach().float() for k, v in ops.items()}
     if args.mamba_ssm_src and cuda:
-        mamba = _step(_import_mamba(args.mamba_ssm_src, args.einops_src), ops, dy, chunk)
+        try:
+            mamba = _step(_import_mamba(args.mamba_ssm_src, args.einops_src), ops, dy, chunk)
+        except ImportError as err:
+            mamba, result["mamba_ssm_error"] = None, f"{type(err).__name__}: {err}"
+    if args.mamba_ssm_src and cuda and mamba is not None:
         result["mamba_ssm_fwd_bwd_ms"] = _time(mamba, iters, warmup)
         y_m = mamba().detach().float()
         scale = lambda t: t.abs().max().item()  # noqa: E731
