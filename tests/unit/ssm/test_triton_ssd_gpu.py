@@ -83,9 +83,11 @@ def test_ssd_matches_the_pytorch_reference_when_present():
     gen = torch.Generator().manual_seed(5)
     grads = (torch.randn(2, 300, 8, 64, generator=gen).double().cuda(),
              torch.randn(2, 8, 64, 64, generator=gen).double().cuda())
-    ref = lambda t: reference.ssd_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], 128, D=t["D"], z=t["z"],  # noqa: E731
-                                             dt_bias=t["dt_bias"], initial_states=t["initial_states"],
-                                             return_final_states=True)
+
+    def ref(t):
+        return reference.ssd_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], 128, D=t["D"], z=t["z"],
+                                        dt_bias=t["dt_bias"], initial_states=t["initial_states"],
+                                        return_final_states=True)
     for a, w in zip(_run(_triton(ops, 128), ops, grads), _run(ref, ops, grads)):
         assert _rel(a, w) <= 1e-4
 
