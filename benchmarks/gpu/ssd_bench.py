@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import tarfile
 import types
 from pathlib import Path
 
@@ -37,6 +38,15 @@ from megatron.core.ssm.ops.triton_ssd import ssd_chunk_scan  # noqa: E402
 def _import_mamba(src, einops_src):
     """mamba_chunk_scan_combined from the sdist tree `src`, without running mamba_ssm/__init__.py."""
     src = Path(src).resolve()
+    if not (src / "mamba_ssm").is_dir():  # a parent folder, or one holding the .tar.gz only
+        found = sorted(src.rglob("ssd_combined.py"))
+        if not found:
+            for tarball in sorted(src.glob("mamba_ssm-*.tar.gz")) + sorted(src.parent.glob("mamba_ssm-*.tar.gz")):
+                tarfile.open(tarball).extractall(tarball.parent)
+            found = sorted(src.parent.rglob("ssd_combined.py"))
+        if not found:
+            raise ImportError(f"no mamba_ssm/ops/triton/ssd_combined.py under {src}: {sorted(os.listdir(src))}")
+        src = found[0].parents[3]
     einops_dir = Path(einops_src).resolve() if einops_src else src.parent / "einops_src"
     try:
         import einops  # noqa: F401
@@ -110,12 +120,33 @@ def _step(fn, ops, dy, chunk):
     return run
 
 
+def _sweep(ours, ops, dy, chunk, iters):
+    """For each kernel in triton_ssd.LAUNCH, the fwd+bwd milliseconds of each (num_warps, num_stages); keeps
+    the fastest setting of each kernel before moving to the next."""
+    from megatron.core.ssm.ops import triton_ssd
+    found = {}
+    for kernel in list(triton_ssd.LAUNCH):
+        times = {}
+        for setting in [(w, st) for w in (2, 4, 8) for st in (1, 2, 3)]:
+            triton_ssd.LAUNCH[kernel] = setting
+            try:
+                times[setting] = _time(ours, iters, 2)
+            except Exception as err:  # an out-of-resources launch: skip the setting
+                times[setting] = float("inf")
+                print(f"{kernel} {setting}: {type(err).__name__}", file=sys.stderr)
+        best = min(times, key=times.get)
+        triton_ssd.LAUNCH[kernel] = best
+        found[kernel] = {"best": list(best), "ms": {f"{w}w{st}s": round(t, 3) for (w, st), t in times.items()}}
+    return found
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mamba-ssm-src", default=None, help="unpacked mamba-ssm sdist directory")
     ap.add_argument("--einops-src", default=None, help="directory holding the einops package")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, a few iterations")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="time each kernel's (num_warps, num_stages) options first")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -130,6 +161,8 @@ def main():
               "chunk": chunk, "dtype": str(dtype).replace("torch.", ""), "device": torch.cuda.get_device_name()
               if cuda else "cpu (interpreter)"}
     ours = _step(ssd_chunk_scan, ops, dy, chunk)
+    if args.sweep and cuda:
+        result["sweep"] = _sweep(ours, ops, dy, chunk, 5)
     result["ours_fwd_bwd_ms"] = _time(ours, iters, warmup)
     fwd = lambda: ssd_chunk_scan(ops["x"], ops["dt"], ops["A"], ops["B"], ops["C"], chunk, D=ops["D"],  # noqa: E731
                                  dt_bias=ops["dt_bias"], dt_softplus=True)
@@ -138,7 +171,11 @@ def main():
     y_ours = ours().detach().float()
     grads_ours = {k: v.grad.detach().float() for k, v in ops.items()}
     if args.mamba_ssm_src and cuda:
-        mamba = _step(_import_mamba(args.mamba_ssm_src, args.einops_src), ops, dy, chunk)
+        try:
+            mamba = _step(_import_mamba(args.mamba_ssm_src, args.einops_src), ops, dy, chunk)
+        except ImportError as err:
+            mamba, result["mamba_ssm_error"] = None, f"{type(err).__name__}: {err}"
+    if args.mamba_ssm_src and cuda and mamba is not None:
         result["mamba_ssm_fwd_bwd_ms"] = _time(mamba, iters, warmup)
         y_m = mamba().detach().float()
         scale = lambda t: t.abs().max().item()  # noqa: E731

@@ -2,8 +2,9 @@
 recurrence (`naive_ssd`, fp64) and, where the model branch's reference exists, `reference.ssd_chunk_scan`.
 Shapes cover a sequence that is not a multiple of the chunk, one group and several, D per head and per head
 dim, z, dt_bias and initial states present and absent. fp32: relative error (max abs error over max abs value)
-<= 1e-4; bf16: within 3x the error of the fp32 reference computed from the same bf16-rounded inputs. Skipped
-without CUDA and Triton."""
+<= 1e-4; bf16 (products in bf16, accumulation in fp32, as mamba-ssm): <= 3e-2 against the fp64 recurrence of
+the same bf16 inputs (the gradients pass through several bf16 roundings of 3.9e-3 each). Skipped without CUDA
+and Triton."""
 import pytest
 import torch
 
@@ -70,12 +71,9 @@ def test_ssd_bf16_within_bf16_noise(shape):
     grads = (torch.randn(b, seqlen, h, p, generator=gen).double().cuda(),
              torch.randn(b, h, p, n, generator=gen).double().cuda())
     got, want = _run(_triton(ops, chunk), ops, grads), _run(_naive, ops, grads)
-    # the noise floor: the same inputs through the Triton fp32 path, rounded to bf16 at the output
-    ops32 = {k: (v.detach().float() if v is not None else None) for k, v in ops.items()}
-    floor = _run(_triton(ops32, chunk), ops32, grads)
     names = ["y", "final"] + [k for k in NAMES if ops[k] is not None]
-    errors = {nm: (_rel(a, w), _rel(f.to(a.dtype), w)) for nm, a, w, f in zip(names, got, want, floor)}
-    assert all(e <= max(3 * f, 2e-2) for e, f in errors.values()), errors
+    errors = {nm: _rel(a, w) for nm, a, w in zip(names, got, want)}
+    assert all(e <= 3e-2 for e in errors.values()), errors
 
 
 @pytest.mark.gpu
@@ -85,9 +83,11 @@ def test_ssd_matches_the_pytorch_reference_when_present():
     gen = torch.Generator().manual_seed(5)
     grads = (torch.randn(2, 300, 8, 64, generator=gen).double().cuda(),
              torch.randn(2, 8, 64, 64, generator=gen).double().cuda())
-    ref = lambda t: reference.ssd_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], 128, D=t["D"], z=t["z"],  # noqa: E731
-                                             dt_bias=t["dt_bias"], initial_states=t["initial_states"],
-                                             return_final_states=True)
+
+    def ref(t):
+        return reference.ssd_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], 128, D=t["D"], z=t["z"],
+                                        dt_bias=t["dt_bias"], initial_states=t["initial_states"],
+                                        return_final_states=True)
     for a, w in zip(_run(_triton(ops, 128), ops, grads), _run(ref, ops, grads)):
         assert _rel(a, w) <= 1e-4
 

@@ -105,7 +105,8 @@ class _CausalConv1d(torch.autograd.Function):
         dw = torch.empty(x.shape[0] * grid[2], x.shape[1], weight.shape[1], device=x.device, dtype=torch.float32)
         db = torch.empty(x.shape[0] * grid[2], x.shape[1], device=x.device, dtype=torch.float32)
         _conv_bwd[grid](x, weight, bias if bias is not None else weight, dy, dx, dw, db, x.shape[1], x.shape[2],
-                        *x.stride(), *dy.stride(), *dx.stride(), HAS_BIAS=bias is not None, SILU=ctx.silu, W=weight.shape[1],
+                        *x.stride(), *dy.stride(), *dx.stride(), HAS_BIAS=bias is not None, SILU=ctx.silu,
+                        W=weight.shape[1],
                         BD=_BLOCK_D, BT=_BLOCK_T)
         dbias = db.sum(0).to(bias.dtype) if bias is not None else None
         return dx, dw.sum(0).to(weight.dtype), dbias, None

@@ -27,6 +27,8 @@ _HAVE_TRITON = module_available("triton")
 _BLOCK_M = 64  # rows of y (and of dC) per program in the chunk-scan kernels
 _BLOCK_K = 64  # rows of x/B per inner step (and per program in the dx/dB kernel)
 _STATE_BLOCK = 64  # head-dim and state-dim tile of the state kernels
+# (num_warps, num_stages) per kernel; benchmarks/gpu/ssd_bench.py --sweep measures the alternatives
+LAUNCH = {"states": (4, 2), "scan": (4, 2), "dstates": (4, 2), "dx_db": (8, 1), "dc": (8, 1)}
 
 if _HAVE_TRITON:
     import triton
@@ -341,6 +343,11 @@ def _dims(x, B, chunk_size):
     return b, seqlen, nheads, headdim, ngroups, dstate, triton.cdiv(seqlen, chunk_size), nheads // ngroups, prec
 
 
+def _launch(kernel):
+    """The launch options of `kernel` from LAUNCH."""
+    return {"num_warps": LAUNCH[kernel][0], "num_stages": LAUNCH[kernel][1]}
+
+
 def _pow2(v):
     return max(16, triton.next_power_of_2(v))
 
@@ -366,7 +373,8 @@ def _states(x, B, delta, cs, initial_states, chunk_size):
     grid = (b * nheads, triton.cdiv(headdim, bp), triton.cdiv(dstate, bn))
     _states_fwd[grid](x, B, delta, cs, init, states, final, seqlen, nheads, nchunks, hpg, *x.stride(),
                       *B.stride(), P=headdim, N=dstate, HAS_INIT=initial_states is not None, Q=chunk_size,
-                      BP=bp, BN=bn, PREC=prec)
+                      BP=bp, BN=bn, PREC=prec,
+        **_launch("states"))
     return states, final
 
 
@@ -384,7 +392,8 @@ def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_sta
     _scan_fwd[grid](x, B, C, delta, cs, states, D if D is not None else A, zz, y,
                     y_pre if y_pre is not None else y, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(),
                     *C.stride(), *zz.stride(), P=headdim, N=dstate, HAS_D=D is not None, HAS_Z=z is not None,
-                    Q=chunk_size, BM=bm, BK=min(_BLOCK_K, chunk_size), BP=bp, BN=_pow2(dstate), PREC=prec)
+                    Q=chunk_size, BM=bm, BK=min(_BLOCK_K, chunk_size), BP=bp, BN=_pow2(dstate), PREC=prec,
+        **_launch("scan"))
     return y, y_pre, final, delta, cs, states
 
 
@@ -399,7 +408,8 @@ def _backward_states(g, C, cs, states, final, dfinal, chunk_size):
     dfin = dfinal.contiguous() if dfinal is not None else final
     _dstates_bwd[grid](g, C, cs, states, final, dfin, ds, dinit, dend, seqlen, nheads, nchunks, hpg,
                        *g.stride(), *C.stride(), P=headdim, N=dstate, HAS_DFIN=dfinal is not None, Q=chunk_size,
-                       BP=bp, BN=bn, PREC=prec)
+                       BP=bp, BN=bn, PREC=prec,
+        **_launch("dstates"))
     return ds, dinit, dend.sum(-1)
 
 
@@ -419,10 +429,12 @@ def _backward_inputs(x, B, C, g, delta, cs, states, ds, D, chunk_size):
         x, B, C, g, delta, cs, ds, D if D is not None else cs, dx, db, ddt_direct, bdb,
         dd if dd is not None else cs, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(), *C.stride(),
         *g.stride(), P=headdim, N=dstate, HAS_D=D is not None, Q=chunk_size, BM=bm, BK=bk, BP=bp, BN=bn,
-        PREC=prec)
+        PREC=prec,
+        **_launch("dx_db"))
     _dc_bwd[(triton.cdiv(chunk_size, bm), b * nchunks, ngroups)](
         x, B, C, g, delta, cs, states, dc, cdc, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(),
-        *C.stride(), *g.stride(), P=headdim, N=dstate, Q=chunk_size, BM=bm, BK=bk, BP=bp, BN=bn, PREC=prec)
+        *C.stride(), *g.stride(), P=headdim, N=dstate, Q=chunk_size, BM=bm, BK=bk, BP=bp, BN=bn, PREC=prec,
+        **_launch("dc"))
     return dx, db, dc, ddt_direct, bdb, cdc, dd
 
 
