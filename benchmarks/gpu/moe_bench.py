@@ -182,6 +182,8 @@ def main(argv=None):
     for name in args.runs:
         flags = common + (_moe_flags(shape) if name == "moe" else _dense_flags(shape))
         result[name] = _run_pretrain(name, flags, warmup, args.smoke, timeout)
+        with open(args.out, "w") as f:  # partial results survive a later timeout
+            json.dump(result, f, indent=2)
         print(f"pretrain_gpt.py {name}: {result[name]['tflops_per_gpu']} TFLOP/s/GPU, "
               f"{result[name]['ms_per_iter']} ms/iter, rc {result[name]['returncode']}", flush=True)
     if "moe" in result and "dense" in result:
