@@ -36,7 +36,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from megatron.training import arguments as arguments_mod
 from megatron.training import global_vars
-from megatron.training.checkpointing import (announce_checkpoint_format, load_checkpoint,
+from megatron.training.checkpointing import (announce_checkpoint_format, checkpoint_exists, load_checkpoint,
                                              maybe_convert_checkpoint_and_exit, maybe_finalize_async_save,
                                              save_checkpoint)
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
@@ -54,6 +54,7 @@ from megatron.training.utils import (
     print_datetime,
     print_line,
     print_rank_0,
+    unwrap_model,
 )
 
 __all__ = [
@@ -213,6 +214,36 @@ def get_optimizer_param_scheduler(optimizer):
     )
 
 
+def _upcycle_dense_checkpoint(args, model, optimizer, model_provider_func, model_type):
+    """--moe-use-upcycling (Megatron 0.13.1): load the dense checkpoint of --load into a dense twin (no experts,
+    FFN = --ffn-hidden-size x granularity), convert it into `model`, save it as iteration 1 to --save."""
+    from megatron.core.transformer.moe.upcycling_utils import load_and_upcycle_model
+
+    torch.distributed.barrier()
+    if checkpoint_exists(args.save):
+        raise RuntimeError(f"--moe-use-upcycling: the destination {args.save} already holds a checkpoint. Upcycling "
+                           f"converts a dense checkpoint once, on the first run; drop --moe-use-upcycling (and "
+                           f"load {args.save}) for every later run.")
+    saved = (args.num_experts, args.expert_model_parallel_size, args.ffn_hidden_size)
+    args.num_experts, args.expert_model_parallel_size = None, 1
+    args.ffn_hidden_size = saved[2] * args.moe_upcycling_granularity
+    try:
+        dense_model = get_model(model_provider_func, model_type, wrap_with_ddp=False)
+    finally:
+        args.num_experts, args.expert_model_parallel_size, args.ffn_hidden_size = saved
+    _, args.num_floating_point_operations_so_far = load_and_upcycle_model(
+        load_checkpoint, unwrap_model(model), unwrap_model(dense_model),
+        granularity=args.moe_upcycling_granularity,
+        load_kwargs={"model": dense_model, "optimizer": None, "opt_param_scheduler": None})
+    args.iteration = 1
+    save_checkpoint(args.iteration, model, None, None, args.num_floating_point_operations_so_far)
+    torch.distributed.barrier()
+    del dense_model
+    if (args.fp16 or args.bf16) and optimizer is not None:
+        optimizer.reload_model_params()
+    print_rank_0(f"Upcycled checkpoint saved to {args.save}")
+
+
 def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=None, scale_lr_cond=None,
                               lr_mult=1.0, checkpointing_context=None):
     """Model chunks, the Megatron optimizer and the scheduler; loads --load / --pretrained-checkpoint."""
@@ -225,7 +256,9 @@ def setup_model_and_optimizer(model_provider_func, model_type, no_wd_decay_cond=
     optimizer = get_megatron_optimizer(config, model, no_wd_decay_cond, scale_lr_cond, lr_mult,
                                        use_gloo_process_groups=args.enable_gloo_process_groups)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
-    if args.load is not None or args.pretrained_checkpoint is not None:
+    if args.moe_use_upcycling:
+        _upcycle_dense_checkpoint(args, model, optimizer, model_provider_func, model_type)
+    elif args.load is not None or args.pretrained_checkpoint is not None:
         timers("load-checkpoint", log_level=0).start(barrier=True)
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
             model, optimizer, opt_param_scheduler, checkpointing_context=checkpointing_context)

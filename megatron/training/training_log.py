@@ -13,6 +13,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron.training.global_vars import (
     get_args, get_energy_monitor, get_tensorboard_writer, get_timers, get_wandb_writer)
 from megatron.training.theoretical_memory_usage import report_theoretical_memory
@@ -255,6 +256,33 @@ def _energy_per_gpu(args, writer, wandb_writer, iteration, total_iterations, ela
     return energy, power
 
 
+def moe_track_names(args):
+    """Names of the tracked MoE losses as Megatron 0.13.1 picks them (a substring test on the balancing type,
+    so 'seq_aux_loss' also tracks 'load_balancing_loss')."""
+    names = []
+    balancing = args.moe_router_load_balancing_type
+    if "aux_loss" in balancing:
+        names.append("load_balancing_loss")
+    if "seq_aux_loss" in balancing:
+        names.append("seq_load_balancing_loss")
+    if args.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def _track_moe(args, writer, wandb_writer, total_loss_dict, iteration):
+    """Every iteration (Megatron 0.13.1): reduce, log and clear the per-layer MoE losses (mean over
+    microbatches); with a TensorBoard writer they join the log line and, with --moe-per-layer-logging, each
+    layer's value is a `moe/<name>_layer_<i>` scalar."""
+    if args.num_experts is None:
+        return
+    track_moe_metrics(loss_scale=1 / get_num_microbatches(), iteration=iteration, writer=writer,
+                      wandb_writer=wandb_writer, total_loss_dict=total_loss_dict,
+                      per_layer_logging=args.moe_per_layer_logging, force_initialize=True,
+                      track_names=moe_track_names(args), num_layers=args.num_layers,
+                      moe_layer_freq=args.moe_layer_freq, mtp_num_layers=getattr(args, "mtp_num_layers", None))
+
+
 def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, iteration, loss_scale,
                  report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad):
     """Accumulate this iteration and print the log line every --log-interval; returns report_memory_flag."""
@@ -263,6 +291,7 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
     _accumulate(loss_dict, total_loss_dict, skipped_iter)
+    _track_moe(args, writer, wandb_writer, total_loss_dict, iteration)
     if args.mtp_num_layers is not None:  # Megatron's MTP log entries: `mtp_1 loss`, ... (per-iteration sums)
         MTPLossLoggingHelper.track_mtp_metrics(1 / get_num_microbatches(), iteration,
                                                writer if _writes_scalars(args) else None, wandb_writer,

@@ -81,9 +81,37 @@ def _model_problems(args) -> List[str]:
     return problems
 
 
+def _upcycling_problems(args) -> List[str]:
+    """--moe-use-upcycling rules (Megatron 0.13.1); also turns on --no-load-optim / --no-load-rng, as Megatron."""
+    if not args.moe_use_upcycling:
+        return []
+    problems = []
+    granularity = args.moe_upcycling_granularity
+    if args.num_experts is None:
+        problems.append("--moe-use-upcycling needs --num-experts: it converts a dense checkpoint into an MoE model.")
+    if args.save is None or args.load is None:
+        problems.append(f"--moe-use-upcycling needs --load (the dense checkpoint; got {args.load}) and --save (where "
+                        f"the upcycled checkpoint is written; got {args.save}).")
+    if granularity < 1 or (args.num_experts is not None and args.num_experts % granularity):
+        problems.append(f"--moe-upcycling-granularity ({granularity}) must be >= 1 and divide --num-experts "
+                        f"({args.num_experts}).")
+    moe_ffn = args.moe_ffn_hidden_size
+    if moe_ffn is not None and args.ffn_hidden_size is not None and moe_ffn != args.ffn_hidden_size:
+        problems.append(f"--moe-use-upcycling: --moe-ffn-hidden-size ({moe_ffn}) must equal --ffn-hidden-size "
+                        f"({args.ffn_hidden_size}): the dense checkpoint's FFN is --ffn-hidden-size x "
+                        f"--moe-upcycling-granularity ({granularity}) and each expert takes one of its "
+                        f"{granularity} slices.")
+    for name in ("no_load_optim", "no_load_rng"):
+        if not getattr(args, name):
+            setattr(args, name, True)
+            warnings.warn(f"--moe-use-upcycling: setting --{name.replace('_', '-')} (the dense checkpoint's "
+                          f"optimizer and RNG state do not apply to the MoE model).")
+    return problems
+
+
 def validate_moe(args) -> List[str]:
     """Every MoE problem of the command line, naming the flags."""
-    problems = _parallel_problems(args)
+    problems = _parallel_problems(args) + _upcycling_problems(args)
     if args.num_experts is None:
         return problems
     view = _config_view(args)
