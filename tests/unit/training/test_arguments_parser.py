@@ -89,7 +89,7 @@ def test_manifest_entries_are_well_formed():
         assert manifest[flag]["status"] == "accepted", flag
     assert manifest["--fp8-format"]["status"] == "supported" and "mxfp8" in manifest["--fp8-recipe"]["rejected_values"]
     for flag in ("--moe-use-upcycling", "--multi-latent-attention", "--fp8-param-gather",
-                 "--use-legacy-models", "--sft", "--mtp-num-layers"):
+                 "--use-legacy-models", "--mtp-num-layers"):
         assert manifest[flag]["status"] == "rejected", flag
     for flag in ("--num-layers", "--swiglu", "--use-torch-fsdp2", "--use-distributed-optimizer", "--ckpt-format",
                  "--optimizer-cpu-offload", "--heterogeneous-layers-config-path",
