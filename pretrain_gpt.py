@@ -133,10 +133,15 @@ def core_gpt_dataset_config_from_args(args):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Build the train/valid/test GPT datasets (MockGPTDataset with --mock-data)."""
+    """Build the train/valid/test GPT datasets (MockGPTDataset with --mock-data, SFTDataset with --sft)."""
     args = get_args()
     config = core_gpt_dataset_config_from_args(args)
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    if args.sft:
+        from megatron.training.datasets.sft_dataset import SFTDataset
+
+        dataset_type = SFTDataset
+    else:
+        dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage), config

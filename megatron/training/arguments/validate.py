@@ -197,6 +197,24 @@ def _validate_data(args) -> List[str]:
         )
     if args.num_workers < 0:
         problems.append(f"--num-workers ({args.num_workers}) must be >= 0.")
+    return problems + _sft_problems(args)
+
+
+def _sft_problems(args) -> List[str]:
+    """--sft: Megatron's SFT dataset needs the SFT tokenizer, real JSONL data and one conversation per sample."""
+    if not args.sft:
+        return []
+    problems = []
+    if args.tokenizer_type != "SFTTokenizer":
+        problems.append(f"--sft needs --tokenizer-type SFTTokenizer (got {args.tokenizer_type}): it renders the "
+                        "conversations with --sft-tokenizer-prompt-format; add --tokenizer-type SFTTokenizer "
+                        "--tokenizer-model <HF tokenizer dir>.")
+    if args.mock_data:
+        problems.append("--sft reads JSONL conversations: replace --mock-data with --data-path <file.jsonl>.")
+    for name in ("reset_position_ids", "reset_attention_mask"):
+        if getattr(args, name):
+            problems.append(f"--sft does not support --{name.replace('_', '-')}: each sample is one conversation; "
+                            "remove the flag.")
     return problems
 
 

@@ -52,6 +52,7 @@ TOKENIZER_TYPES = (
     "TikTokenizer",
     "NullTokenizer",
     "NullMultimodalTokenizer",
+    "SFTTokenizer",
 )
 
 
@@ -76,6 +77,7 @@ def _construct(args, **kwargs) -> MegatronTokenizer:
         "TikTokenizer": ("--tokenizer-model",),
         "NullTokenizer": ("--vocab-size",),
         "NullMultimodalTokenizer": ("--vocab-size",),
+        "SFTTokenizer": ("--tokenizer-model",),
     }
     if kind not in needs:
         raise ValueError(
@@ -107,6 +109,10 @@ def _construct(args, **kwargs) -> MegatronTokenizer:
             num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
             special_tokens=getattr(args, "tiktoken_special_tokens", None),
         )
+    if kind == "SFTTokenizer":
+        from megatron.training.tokenizer.sft_tokenizer import SFTTokenizer
+
+        return SFTTokenizer(args.tokenizer_model, getattr(args, "sft_tokenizer_prompt_format", "nemotron-h-aligned"))
     if kind == "NullMultimodalTokenizer":
         return _NullMultimodalTokenizer(args.vocab_size)
     return _NullTokenizer(args.vocab_size)
