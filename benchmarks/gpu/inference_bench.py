@@ -201,6 +201,26 @@ def _static_throughput(model, prompts, greedy):
     return sum(len(r.generated_tokens) for r in results) / seconds
 
 
+def _hf_throughput(hf, prompts, args):
+    batch = torch.tensor(prompts).to(DEVICE)
+    with torch.no_grad():
+        hf.generate(batch[:2], max_new_tokens=4, do_sample=False)
+        gen, seconds = _timed(lambda: hf.generate(batch, max_new_tokens=args.new_tokens,
+                                                  min_new_tokens=args.new_tokens, do_sample=False))
+    return (gen.shape[1] - args.prompt_len) * len(prompts) / seconds
+
+
+def _summary(out, bound_ms):
+    """Best batch-1 latency vs the bound, best throughput vs transformers, and whether the targets are met."""
+    best = min(v for k, v in out.items() if k.startswith("batch1_decode_ms") and isinstance(v, float))
+    out.update(ratio_to_bound_best=best / bound_ms, batch1_target_met=best <= 1.5 * bound_ms)
+    ours = [v for k, v in out.items() if k.startswith("throughput_") and isinstance(v, float)]
+    hf = out.get("hf_generate_tokens_per_s")
+    if ours and isinstance(hf, float):
+        out.update(throughput_ratio_best=max(ours) / hf, throughput_target_met=max(ours) >= 2 * hf)
+    print(json.dumps({k: out[k] for k in ("ratio_to_bound_best", "throughput_ratio_best") if k in out}), flush=True)
+
+
 def _hf_or_none(path, out):
     try:
         return make_hf(path)
@@ -225,14 +245,9 @@ def run(args):
                for _ in range(args.requests)]
     eager_ms, eager_tokens = batch1_decode_ms(ours, prompts[0], args.new_tokens, graphs=False)
     out["batch1_decode_ms_eager"] = eager_ms
+    print(json.dumps({"batch1_decode_ms_eager": eager_ms}), flush=True)
     _try(out, "batch1_decode_ms_graphed", lambda: _decode_check(out, "graphed", eager_tokens,
          batch1_decode_ms(ours, prompts[0], args.new_tokens, graphs=True)))
-    compiled = None
-    if DEVICE == "cuda":  # the same weights with --compile-layers on: compiled layers inside the graphs
-        compiled = build_ours("on")
-        compiled.load_state_dict(ours.state_dict(), strict=False)
-        _try(out, "batch1_decode_ms_graphed_compiled_layers", lambda: _decode_check(
-            out, "graphed_compiled_layers", eager_tokens, batch1_decode_ms(compiled, prompts[0], args.new_tokens, True)))
     if args.compile_step:
         _try(out, "batch1_decode_ms_graphed_compiled_step", lambda: _decode_check(
             out, "graphed_compiled_step", eager_tokens, batch1_decode_ms(ours, prompts[0], args.new_tokens, True, True)))
@@ -246,30 +261,26 @@ def run(args):
     kv_bytes = 2 * SHAPE["layers"] * SHAPE["groups"] * (SHAPE["hidden"] // SHAPE["heads"]) * DTYPE.itemsize * \
         (args.prompt_len + args.new_tokens / 2)
     bound_ms = (weight_bytes + kv_bytes) / (args.hbm_gbps * 1e9) * 1e3
-    best = min(v for k, v in out.items() if k.startswith("batch1_decode_ms") and isinstance(v, float))
-    out.update(bytes_per_token=weight_bytes + kv_bytes, hbm_bound_ms=bound_ms, ratio_to_bound_eager=eager_ms / bound_ms,
-               ratio_to_bound_best=best / bound_ms, batch1_target_met=best <= 1.5 * bound_ms)
+    out.update(bytes_per_token=weight_bytes + kv_bytes, hbm_bound_ms=bound_ms, ratio_to_bound_eager=eager_ms / bound_ms)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=args.new_tokens)
-    runs = [("dynamic_eager", lambda: dynamic_engine(ours, False)),
-            ("dynamic_graphed", lambda: dynamic_engine(ours, True))]
-    if compiled is not None:
-        runs.append(("dynamic_graphed_compiled_layers", lambda: dynamic_engine(compiled, True)))
-    for name, make in runs:
-        _try(out, f"throughput_{name}_tokens_per_s", lambda: _dynamic_throughput(make(), prompts, greedy))
+    _try(out, "throughput_dynamic_graphed_tokens_per_s",
+         lambda: _dynamic_throughput(dynamic_engine(ours, True), prompts, greedy))
     _try(out, "throughput_static_graphed_tokens_per_s", lambda: _static_throughput(ours, prompts, greedy))
-    if compiled is not None:
-        _try(out, "throughput_static_graphed_compiled_layers_tokens_per_s",
-             lambda: _static_throughput(compiled, prompts, greedy))
-    ours_tps = max(v for k, v in out.items() if k.startswith("throughput_") and isinstance(v, float))
     if hf is not None:
-        batch = torch.tensor(prompts).to(DEVICE)
-        with torch.no_grad():
-            hf.generate(batch[:2], max_new_tokens=4, do_sample=False)
-            gen, seconds = _timed(lambda: hf.generate(batch, max_new_tokens=args.new_tokens,
-                                                      min_new_tokens=args.new_tokens, do_sample=False))
-        hf_tps = (gen.shape[1] - args.prompt_len) * args.requests / seconds
-        out.update(hf_generate_tokens_per_s=hf_tps, throughput_ratio_best=ours_tps / hf_tps,
-                   throughput_target_met=ours_tps >= 2 * hf_tps)
+        _try(out, "hf_generate_tokens_per_s", lambda: _hf_throughput(hf, prompts, args))
+    _try(out, "throughput_dynamic_eager_tokens_per_s",
+         lambda: _dynamic_throughput(dynamic_engine(ours, False), prompts, greedy))
+    _summary(out, bound_ms)
+    compiled = None
+    if DEVICE == "cuda":  # the same weights with --compile-layers on: compiled layers inside the graphs
+        compiled = build_ours("on")
+        compiled.load_state_dict(ours.state_dict(), strict=False)
+        _try(out, "batch1_decode_ms_graphed_compiled_layers", lambda: _decode_check(
+            out, "graphed_compiled_layers", eager_tokens, batch1_decode_ms(compiled, prompts[0], args.new_tokens, True)))
+    if compiled is not None:
+        _try(out, "throughput_dynamic_graphed_compiled_layers_tokens_per_s",
+             lambda: _dynamic_throughput(dynamic_engine(compiled, True), prompts, greedy))
+    _summary(out, bound_ms)
     print(json.dumps(out, indent=1))
 
 
