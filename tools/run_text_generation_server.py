@@ -54,6 +54,8 @@ def get_inference_engine(args, model) -> StaticInferenceEngine:
         fp32_residual_connection=args.fp32_residual_connection, params_dtype=args.params_dtype,
         padded_vocab_size=args.padded_vocab_size, inference_max_seq_length=args.inference_max_seq_length,
         inference_max_requests=args.inference_max_batch_size, nccl_all_reduce_for_prefill=args.nccl_all_reduce_for_prefill,
+        enable_cuda_graph=bool(getattr(args, "enable_cuda_graph", False)) and torch.cuda.is_available(),
+        cuda_graph_warmup_steps=max(int(getattr(args, "cuda_graph_warmup_steps", 2)), 1),
     )
     controller = TextGenerationController(GPTInferenceWrapper(model, config), get_tokenizer())
     return StaticInferenceEngine(controller, max_batch_size=args.inference_max_batch_size)
@@ -73,6 +75,11 @@ def main() -> None:
         load_checkpoint(model, None, None)
     model[0].eval()
     engine = get_inference_engine(args, model[0])
+    if engine.text_generation_controller.inference_wrapped_model.inference_wrapper_config.enable_cuda_graph:
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        # Megatron's warm-up generation: every rank captures the batch-1 decode graph before serving.
+        engine.generate(prompts=["warm up"], sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=4))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if args.prompts:
         sync = ModelParallelSync(engine)

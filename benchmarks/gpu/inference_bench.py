@@ -35,7 +35,7 @@ def make_hf(path):
     return LlamaForCausalLM.from_pretrained(path, torch_dtype=DTYPE).to(DEVICE).eval()
 
 
-def build_ours():
+def build_ours(compile_layers="off"):
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -44,12 +44,12 @@ def build_ours():
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and DEVICE == "cuda" else "gloo"
         torch.distributed.init_process_group(backend, init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+        parallel_state.initialize_model_parallel()
     config = TransformerConfig(num_layers=SHAPE["layers"], hidden_size=SHAPE["hidden"], num_attention_heads=SHAPE["heads"],
                                num_query_groups=SHAPE["groups"], ffn_hidden_size=SHAPE["ffn"], normalization="RMSNorm",
                                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                                bf16=DTYPE == torch.bfloat16, params_dtype=DTYPE, hidden_dropout=0.0, attention_dropout=0.0,
-                               layernorm_epsilon=1e-5)
+                               layernorm_epsilon=1e-5, compile_layers=compile_layers)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                      vocab_size=SHAPE["vocab"], max_sequence_length=SHAPE["max_seq"], position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
@@ -150,21 +150,75 @@ def batch1_decode_ms(model, prompt, new_tokens, graphs, compile_step=False):
     return (long - short) / (new_tokens - 8) * 1e3, results[0].generated_tokens
 
 
+def _try(out, name, fn):
+    """out[name] = fn(), or the error (the other numbers still count)."""
+    try:
+        out[name] = fn()
+    except Exception as error:
+        out[name] = f"failed: {type(error).__name__}: {error}"[:600]
+    print(json.dumps({name: out[name]}), flush=True)  # progress, in case the job is cut short
+
+
+def _decode_check(out, name, eager_tokens, result):
+    ms, tokens = result
+    out[f"{name}_first32_tokens_equal_eager"] = tokens[:32] == eager_tokens[:32]
+    return ms
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--hbm-gbps", type=float, default=4800.0)
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd graphed decode step")
+    parser.add_argument("--compile-step", action="store_true", help="also time graphs of the torch.compile'd step")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script runs")
     args = parser.parse_args()
     global DEVICE, DTYPE
     if args.smoke:
         SHAPE.update(SMOKE_SHAPE)
         DEVICE, DTYPE = "cpu", torch.float32
-        args.prompt_len, args.new_tokens, args.requests, args.no_compile = 16, 24, 6, True
+        args.prompt_len, args.new_tokens, args.requests = 16, 24, 6
     run(args)
+
+
+def _dynamic_throughput(engine, prompts, greedy):
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    engine.generate(prompts[:2], SamplingParams(top_k=1, num_tokens_to_generate=4))
+    engine.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=4))
+    results, seconds = _timed(lambda: engine.generate(prompts, greedy))
+    return sum(len(r.generated_tokens) for r in results) / seconds
+
+
+def _static_throughput(model, prompts, greedy):
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    engine = static_engine(model, len(prompts), graphs=True)
+    texts = [_Tok().detokenize(p) for p in prompts]
+    engine.generate(texts, sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=4))
+    results, seconds = _timed(lambda: engine.generate(texts, sampling_params=greedy))
+    return sum(len(r.generated_tokens) for r in results) / seconds
+
+
+def _hf_throughput(hf, prompts, args):
+    batch = torch.tensor(prompts).to(DEVICE)
+    with torch.no_grad():
+        hf.generate(batch[:2], max_new_tokens=4, do_sample=False)
+        gen, seconds = _timed(lambda: hf.generate(batch, max_new_tokens=args.new_tokens,
+                                                  min_new_tokens=args.new_tokens, do_sample=False))
+    return (gen.shape[1] - args.prompt_len) * len(prompts) / seconds
+
+
+def _summary(out, bound_ms):
+    """Best batch-1 latency vs the bound, best throughput vs transformers, and whether the targets are met."""
+    best = min(v for k, v in out.items() if k.startswith("batch1_decode_ms") and isinstance(v, float))
+    out.update(ratio_to_bound_best=best / bound_ms, batch1_target_met=best <= 1.5 * bound_ms)
+    ours = [v for k, v in out.items() if k.startswith("throughput_") and isinstance(v, float)]
+    hf = out.get("hf_generate_tokens_per_s")
+    if ours and isinstance(hf, float):
+        out.update(throughput_ratio_best=max(ours) / hf, throughput_target_met=max(ours) >= 2 * hf)
+    print(json.dumps({k: out[k] for k in ("ratio_to_bound_best", "throughput_ratio_best") if k in out}), flush=True)
 
 
 def _hf_or_none(path, out):
@@ -190,16 +244,13 @@ def run(args):
     prompts = [torch.randint(0, SHAPE["vocab"] - 2, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.requests)]
     eager_ms, eager_tokens = batch1_decode_ms(ours, prompts[0], args.new_tokens, graphs=False)
-    graph_ms, graph_tokens = batch1_decode_ms(ours, prompts[0], args.new_tokens, graphs=True)
-    out["batch1_decode_ms_eager"], out["batch1_decode_ms_graphed"] = eager_ms, graph_ms
-    out["graphed_tokens_equal_eager"] = graph_tokens == eager_tokens
-    if not args.no_compile:
-        try:
-            compiled_ms, compiled_tokens = batch1_decode_ms(ours, prompts[0], args.new_tokens, True, True)
-            out["batch1_decode_ms_graphed_compiled"] = compiled_ms
-            out["compiled_tokens_equal_eager_first32"] = compiled_tokens[:32] == eager_tokens[:32]
-        except Exception as error:  # report and go on: the other numbers still count
-            out["batch1_decode_ms_graphed_compiled"] = f"failed: {type(error).__name__}: {error}"[:400]
+    out["batch1_decode_ms_eager"] = eager_ms
+    print(json.dumps({"batch1_decode_ms_eager": eager_ms}), flush=True)
+    _try(out, "batch1_decode_ms_graphed", lambda: _decode_check(out, "graphed", eager_tokens,
+         batch1_decode_ms(ours, prompts[0], args.new_tokens, graphs=True)))
+    if args.compile_step:
+        _try(out, "batch1_decode_ms_graphed_compiled_step", lambda: _decode_check(
+            out, "graphed_compiled_step", eager_tokens, batch1_decode_ms(ours, prompts[0], args.new_tokens, True, True)))
     if hf is not None:
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompts[0]]).to(DEVICE), max_new_tokens=16, do_sample=False)
@@ -210,32 +261,26 @@ def run(args):
     kv_bytes = 2 * SHAPE["layers"] * SHAPE["groups"] * (SHAPE["hidden"] // SHAPE["heads"]) * DTYPE.itemsize * \
         (args.prompt_len + args.new_tokens / 2)
     bound_ms = (weight_bytes + kv_bytes) / (args.hbm_gbps * 1e9) * 1e3
-    best = min(v for k, v in out.items() if k.startswith("batch1_decode_ms") and isinstance(v, float))
-    out.update(bytes_per_token=weight_bytes + kv_bytes, hbm_bound_ms=bound_ms, ratio_to_bound_eager=eager_ms / bound_ms,
-               ratio_to_bound_best=best / bound_ms, batch1_target_met=best <= 1.5 * bound_ms)
+    out.update(bytes_per_token=weight_bytes + kv_bytes, hbm_bound_ms=bound_ms, ratio_to_bound_eager=eager_ms / bound_ms)
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=args.new_tokens)
-    for name, make in (("dynamic_eager", lambda: dynamic_engine(ours, False)),
-                       ("dynamic_graphed", lambda: dynamic_engine(ours, True))):
-        engine = make()
-        engine.generate(prompts[:2], SamplingParams(top_k=1, num_tokens_to_generate=4))
-        engine.generate(prompts[:args.requests], SamplingParams(top_k=1, num_tokens_to_generate=4))
-        results, seconds = _timed(lambda: engine.generate(prompts, greedy))
-        out[f"throughput_{name}_tokens_per_s"] = sum(len(r.generated_tokens) for r in results) / seconds
-    engine = static_engine(ours, args.requests, graphs=True)
-    texts = [_Tok().detokenize(p) for p in prompts]
-    engine.generate(texts, sampling_params=SamplingParams(top_k=1, num_tokens_to_generate=4))
-    results, seconds = _timed(lambda: engine.generate(texts, sampling_params=greedy))
-    out["throughput_static_graphed_tokens_per_s"] = sum(len(r.generated_tokens) for r in results) / seconds
-    ours_tps = max(v for k, v in out.items() if k.startswith("throughput_"))
+    _try(out, "throughput_dynamic_graphed_tokens_per_s",
+         lambda: _dynamic_throughput(dynamic_engine(ours, True), prompts, greedy))
+    _try(out, "throughput_static_graphed_tokens_per_s", lambda: _static_throughput(ours, prompts, greedy))
     if hf is not None:
-        batch = torch.tensor(prompts).to(DEVICE)
-        with torch.no_grad():
-            hf.generate(batch[:2], max_new_tokens=4, do_sample=False)
-            gen, seconds = _timed(lambda: hf.generate(batch, max_new_tokens=args.new_tokens,
-                                                      min_new_tokens=args.new_tokens, do_sample=False))
-        hf_tps = (gen.shape[1] - args.prompt_len) * args.requests / seconds
-        out.update(hf_generate_tokens_per_s=hf_tps, throughput_ratio_best=ours_tps / hf_tps,
-                   throughput_target_met=ours_tps >= 2 * hf_tps)
+        _try(out, "hf_generate_tokens_per_s", lambda: _hf_throughput(hf, prompts, args))
+    _try(out, "throughput_dynamic_eager_tokens_per_s",
+         lambda: _dynamic_throughput(dynamic_engine(ours, False), prompts, greedy))
+    _summary(out, bound_ms)
+    compiled = None
+    if DEVICE == "cuda":  # the same weights with --compile-layers on: compiled layers inside the graphs
+        compiled = build_ours("on")
+        compiled.load_state_dict(ours.state_dict(), strict=False)
+        _try(out, "batch1_decode_ms_graphed_compiled_layers", lambda: _decode_check(
+            out, "graphed_compiled_layers", eager_tokens, batch1_decode_ms(compiled, prompts[0], args.new_tokens, True)))
+    if compiled is not None:
+        _try(out, "throughput_dynamic_graphed_compiled_layers_tokens_per_s",
+             lambda: _dynamic_throughput(dynamic_engine(compiled, True), prompts, greedy))
+    _summary(out, bound_ms)
     print(json.dumps(out, indent=1))
 
 

@@ -16,11 +16,28 @@ so warming up on the real step is harmless. All graphs share one memory pool; th
 before the next step, which makes sharing safe. Off CUDA (or with `capture=False`) `fn()` runs eagerly: the
 same static-shape path, which the CPU tests compare with the ordinary eager step.
 
+Compiled layers (`--compile-layers`, applied by the optimisation plan at the first forward) specialise on
+shapes, and inference shapes change at every eager step (prompt lengths, the growing cache window). So the
+wrappers run eager forwards under `eager_forwards()` (torch's `eager_on_recompile` stance: code compiled for
+matching shapes is used, nothing new is compiled), and the graph warm-up of a key under the default stance:
+the compiled layers specialise once per graph key and are then replayed inside the graph.
+
 `batch_bucket(n, limit)`: the smallest power of two >= n, at most `limit` (the graph keys).
 """
+import contextlib
 from typing import Callable, Dict, Hashable, Optional
 
 import torch
+
+
+def _stance(name: str):
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return contextlib.nullcontext() if set_stance is None else set_stance(name)
+
+
+def eager_forwards():
+    """Context of eager inference forwards: no (re)compilation for the step's shapes."""
+    return _stance("eager_on_recompile")
 
 
 def batch_bucket(count: int, limit: int) -> int:
@@ -70,7 +87,8 @@ class DecodeGraphRunner:
             self.eager_calls += 1
             if not self.compile_step:
                 self._compiled.setdefault(key, fn)
-            return step()
+            with _stance("default"):
+                return step()
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._graphs[key] = self._capture(step)
@@ -82,7 +100,7 @@ class DecodeGraphRunner:
     def _capture(self, step: Callable[[], torch.Tensor]):
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _stance("default"):
             for _ in range(self.warmup_steps):
                 step()
         torch.cuda.current_stream(self.device).wait_stream(side)
@@ -99,4 +117,4 @@ class DecodeGraphRunner:
         self._pool = None
 
 
-__all__ = ["DecodeGraphRunner", "batch_bucket"]
+__all__ = ["DecodeGraphRunner", "batch_bucket", "eager_forwards"]

@@ -125,3 +125,27 @@ def test_cuda_graph_decode_equals_eager_on_gpu():
         if graphs:
             assert wrapped.decode_graphs.replays > 0
     assert runs[0] == runs[1]
+
+
+def test_static_decode_window_buckets():
+    """A rope model with a 512-token cache: the decode window grows 128 -> 256 as the column passes 127."""
+    from megatron.core.inference.engines.static_engine import StaticInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    init_single_rank()
+    model, tok = T.build_model("llama"), T.tokenizer()
+    prompt = T.prompts(1, [120])[0]
+    engines = []
+    for graphs in (False, True):
+        config = T.wrapper_config(max_requests=2, max_seq=512)
+        config.enable_cuda_graph = graphs
+        wrapper = GPTInferenceWrapper(model, config)
+        engines.append((StaticInferenceEngine(TextGenerationController(wrapper, tok), max_batch_size=2), wrapper))
+    params = _greedy(num=16)
+    want = engines[0][0].generate(prompts=[tok.detokenize(prompt)], sampling_params=params)[0].generated_tokens
+    got = engines[1][0].generate(prompts=[tok.detokenize(prompt)], sampling_params=params)[0].generated_tokens
+    assert got == want and len(got) > 8
+    assert sorted({key[2] for key in engines[1][1].decode_graphs.keys}) == [128, 256]

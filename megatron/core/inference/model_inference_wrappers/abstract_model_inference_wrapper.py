@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.inference.contexts.static_context import StaticInferenceContext
-from megatron.core.inference.decode_graphs import DecodeGraphRunner, batch_bucket
+from megatron.core.inference.decode_graphs import DecodeGraphRunner, batch_bucket, eager_forwards
 
 from megatron.core.tensor_parallel.mappings import broadcast_tensor, gather_from_tensor_model_parallel_region
 from megatron.core.transformer.utils import get_tp_group, get_tp_world_size
@@ -154,7 +154,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
     def run_one_forward_step(self, inference_input: Dict[str, Any]) -> torch.Tensor:
         """Logits [b, s', padded_vocab] (s' = 1 when only the last token is materialised)."""
         if not self._uses_decode_graph(inference_input):
-            logits = self._forward(inference_input)
+            with eager_forwards():
+                logits = self._forward(inference_input)
         elif self.inference_context.is_static_batching():
             logits = self._static_decode_step(inference_input)
         else:
