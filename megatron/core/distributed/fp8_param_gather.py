@@ -68,8 +68,12 @@ def start_fp8_param_gather(bucket, group, group_size: int, group_rank: int, all_
 
     def finish():
         # [numel] uint8 -> [*param.shape] E4M3
-        data = bucket.fp8_param_data[lo:hi].view(kernels.E4M3).view(param.shape)
-        copy = Fp8WeightCopy(data, scale_inv)
+        copy = getattr(param, "fp8_weight_copy", None)
+        if copy is None:
+            data = bucket.fp8_param_data[lo:hi].view(kernels.E4M3).view(param.shape)
+            copy = Fp8WeightCopy(data, scale_inv)
+        else:  # the same tensors, updated in place
+            copy.update(scale_inv)
         bucket.param_data[lo:hi].copy_(copy.dequantized(bucket.param_data.dtype).reshape(-1))
         param.fp8_weight_copy = copy
 
