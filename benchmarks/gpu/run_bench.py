@@ -104,7 +104,8 @@ VARIANTS = {
     "fp8": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise"},  # FP8 GEMMs, current scaling
     "fp8d": {"flags": "--fp8-format hybrid"},  # FP8 GEMMs, delayed scaling (Megatron's default recipe)
     # FP8 parameters: the distributed optimizer (also at DP=1) gathers FP8 bytes, the forward uses them as they are
-    "fp8params": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather --use-distributed-optimizer"},
+    "fp8params": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather "
+                           "--use-distributed-optimizer"},
     # the first and last layers keep bf16 GEMMs (Megatron's rule: not with delayed scaling)
     "fp8edges": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise --first-last-layers-bf16"},
     "distopt": {"flags": "--use-distributed-optimizer"},  # the optimizer of fp8params, for a like-for-like pair

@@ -3,7 +3,8 @@
 An FP8 parameter (`param.fp8_param`, set by the FP8 linears under the recipe's `fp8_param`) has a bucket of
 its own. After the optimizer step this rank's updated piece of the weight (its fp32 master shard) is
 quantized to E4M3 with the scale of the whole weight (its amax: a MAX all-reduce of the pieces' amaxes over
-the group the optimizer is sharded over) into a uint8 buffer, and the uint8 buffer is all-gathered: one byte per value instead of two (bf16).
+the group the optimizer is sharded over) into a uint8 buffer, and the uint8 buffer is all-gathered: one byte
+per value instead of two (bf16).
 The gathered bytes and their scale become the weight's FP8 primary copy (`fp8.params.Fp8WeightCopy`, used by
 the FP8 GEMMs as they are) and their dequantized values the parameter's own data (so checkpoints and any
 bf16 reader see the weight the FP8 GEMMs use). Master weights stay in the optimizer, in fp32.
