@@ -103,6 +103,12 @@ VARIANTS = {
     "tpoverlap": {"flags": "--tp-comm-overlap"},  # SP all-gather / reduce-scatter pipelined with the GEMMs
     "fp8": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise"},  # FP8 GEMMs, current scaling
     "fp8d": {"flags": "--fp8-format hybrid"},  # FP8 GEMMs, delayed scaling (Megatron's default recipe)
+    # FP8 parameters: the distributed optimizer (also at DP=1) gathers FP8 bytes, the forward uses them as they are
+    "fp8params": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather "
+                           "--use-distributed-optimizer"},
+    # the first and last layers keep bf16 GEMMs (Megatron's rule: not with delayed scaling)
+    "fp8edges": {"flags": "--fp8-format hybrid --fp8-recipe tensorwise --first-last-layers-bf16"},
+    "distopt": {"flags": "--use-distributed-optimizer"},  # the optimizer of fp8params, for a like-for-like pair
     # weight gradients returned in the model's dtype and added into main_grad by DDP's hook (what traced
     # linears do), instead of one fp32-output GEMM into main_grad
     "nogaf": {"flags": "--no-gradient-accumulation-fusion"},

@@ -136,8 +136,12 @@ def test_fp8_param_gather_dp2_equals_dp1():
         assert abs(got - want) <= 1e-6 * abs(want), (losses1, plain_losses)
     for got, want in zip(losses2, losses1):
         assert abs(got - want) <= 1e-5 * abs(want), (losses2, losses1)
-    for name, weight in weights2.items():
-        assert _rel(weight, weights1[name]) <= 1e-4, name
+    worst = max(_rel(weight, weights1[name]) for name, weight in weights2.items())
+    dp_loss = max(abs(a / b - 1) for a, b in zip(losses2, losses1))
+    plain_loss = max(abs(a / b - 1) for a, b in zip(losses1, plain_losses))
+    print(f"FP8 params DP=2 vs DP=1: loss {dp_loss:.1e}, weights {worst:.1e}; vs FP8 without FP8 params: loss "
+          f"{plain_loss:.1e}")
+    assert worst <= 1e-4, worst
     # FP8 parameters hold FP8 values: they differ from the fp32 weights of the run without them
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
     assert _rel(weights1[fc1], dp1[False][1][fc1]) > 1e-3

@@ -1,16 +1,17 @@
 """The FP8 parameter all-gather of the distributed optimizer (`--fp8-param-gather`).
 
 An FP8 parameter (`param.fp8_param`, set by the FP8 linears under the recipe's `fp8_param`) has a bucket of
-its own. After the optimizer step the bucket's local shard of the parameter buffer holds this rank's updated
-piece of the weight (from the fp32 master shard); here that piece is quantized to E4M3 with the scale of the
-whole weight (its amax: a MAX all-reduce of the pieces' amaxes over the group the optimizer is sharded
-over) into a uint8 buffer, and the uint8 buffer is all-gathered: one byte per value instead of two (bf16).
+its own. After the optimizer step this rank's updated piece of the weight (its fp32 master shard) is
+quantized to E4M3 with the scale of the whole weight (its amax: a MAX all-reduce of the pieces' amaxes over
+the group the optimizer is sharded over) into a uint8 buffer, and the uint8 buffer is all-gathered: one byte
+per value instead of two (bf16).
 The gathered bytes and their scale become the weight's FP8 primary copy (`fp8.params.Fp8WeightCopy`, used by
 the FP8 GEMMs as they are) and their dequantized values the parameter's own data (so checkpoints and any
 bf16 reader see the weight the FP8 GEMMs use). Master weights stay in the optimizer, in fp32.
 
-The scale is the weight's own amax (current scaling) over the data-parallel shards; a tensor-parallel weight
-is scaled per TP shard (the amax is not reduced over TP).
+The piece is quantized from the fp32 master shard where the optimizer registered it (`param.fp8_main_shard`),
+else from the parameter buffer. The scale is the weight's own amax (current scaling) over the data-parallel
+shards; a tensor-parallel weight is scaled per TP shard (the amax is not reduced over TP).
 """
 from typing import Optional
 
@@ -51,6 +52,9 @@ def start_fp8_param_gather(bucket, group, group_size: int, group_rank: int, all_
     shard_lo = group_rank * shard_size
     start, end = max(lo, shard_lo), min(hi, shard_lo + shard_size)
     piece = bucket.param_data[start:max(start, end)]
+    master = getattr(param, "fp8_main_shard", None)
+    if master is not None and master.numel() == piece.numel():
+        piece = master  # the fp32 master piece (the distributed optimizer's), not its bf16 copy
     amax_ = kernels.amax(piece)
     if group_size > 1:
         dist.all_reduce(amax_, op=dist.ReduceOp.MAX, group=group)
@@ -68,8 +72,12 @@ def start_fp8_param_gather(bucket, group, group_size: int, group_rank: int, all_
 
     def finish():
         # [numel] uint8 -> [*param.shape] E4M3
-        data = bucket.fp8_param_data[lo:hi].view(kernels.E4M3).view(param.shape)
-        copy = Fp8WeightCopy(data, scale_inv)
+        copy = getattr(param, "fp8_weight_copy", None)
+        if copy is None:
+            data = bucket.fp8_param_data[lo:hi].view(kernels.E4M3).view(param.shape)
+            copy = Fp8WeightCopy(data, scale_inv)
+        else:  # the same tensors, updated in place
+            copy.update(scale_inv)
         bucket.param_data[lo:hi].copy_(copy.dequantized(bucket.param_data.dtype).reshape(-1))
         param.fp8_weight_copy = copy
 

@@ -23,6 +23,13 @@ class Fp8WeightCopy:
         self.scale_inv = scale_inv
         self._transposed: Optional[torch.Tensor] = None
 
+    def update(self, scale_inv: torch.Tensor) -> None:
+        """After new bytes arrived in `data` (in place): take their scale and refresh the transposed copy, both
+        in place (captured CUDA graphs keep pointing at the same tensors)."""
+        self.scale_inv.copy_(scale_inv)
+        if self._transposed is not None:
+            self._transposed.copy_(self.data.t())
+
     def transposed(self) -> torch.Tensor:
         """data^T, contiguous ([in, out] for an [out, in] weight)."""
         if self._transposed is None:

@@ -282,6 +282,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         f"Wrapped parameters must be torch.float16, torch.bfloat16 or torch.float32; got {model_param.dtype}"
                     )
                 _copy_main_param_attributes(shard_main_param, model_param)
+                if fp8_param:  # the FP8 gather quantizes this rank's piece from the fp32 master, as Megatron does
+                    model_param.fp8_main_shard = shard_main_param
                 self.model_param_to_main_param[model_param] = shard_main_param
             self.model_float16_groups.append(model_float16)
             self.model_fp32_groups.append(model_fp32)
