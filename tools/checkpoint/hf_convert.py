@@ -5,7 +5,8 @@
         [--target-tensor-parallel-size 2] [--target-pipeline-parallel-size 2]
 
 Supported: Llama / Mistral / Qwen2 (qkv bias) / Qwen3 (qk-norm) style models (RoPE, RMSNorm, SwiGLU,
-GQA, tied or untied) and GPT-2 (learned positions, LayerNorm, GELU, biases). The HF side is a local
+GQA, tied or untied), GPT-2 (learned positions, LayerNorm, GELU, biases) and DeepSeek-V3 (`model_type`
+deepseek_v3: MLA + MoE, TP=1 on the Megatron side; mapping in `hf_deepseek_v3.py`). The HF side is a local
 directory with `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`);
 nothing is downloaded.
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 if __package__ in (None, ""):
@@ -22,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
-from tools.checkpoint import hf_mapping
+from tools.checkpoint import hf_deepseek_v3, hf_mapping
 from tools.checkpoint.legacy_layout import read_legacy_checkpoint, write_legacy_checkpoint
 from tools.checkpoint.model_description import (
     ModelDescription,
@@ -71,6 +73,10 @@ def write_hf_dir(hf_dir: str, config: dict, state: Dict[str, torch.Tensor]) -> N
 def megatron_to_hf(load_dir: str, save_dir: str, true_vocab_size: Optional[int] = None,
                    dtype: Optional[str] = None) -> ModelDescription:
     """Convert a legacy-layout Megatron checkpoint (any TP/PP) into an HF directory."""
+    if _is_deepseek_v3_checkpoint(load_dir):
+        full, args, _, _ = read_legacy_checkpoint(load_dir, _full_layout_description)
+        hf_deepseek_v3.megatron_dir_to_hf(full, args, save_dir, write_hf_dir)
+        return _full_layout_description(args)
     full, _, _, desc = read_legacy_checkpoint(load_dir, from_megatron_args)
     if true_vocab_size is not None:
         desc.true_vocab_size = true_vocab_size
@@ -87,6 +93,9 @@ def hf_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, itera
     """Convert an HF directory into a legacy-layout Megatron checkpoint at TP=`tp`, PP=`pp`
     (a `release` checkpoint unless `iteration` is given)."""
     config, hf_state = read_hf_dir(load_dir)
+    if config.get("model_type") == "deepseek_v3":  # MLA + MoE: its own mapping (tools/checkpoint/hf_deepseek_v3.py)
+        hf_deepseek_v3.hf_dir_to_megatron(config, hf_state, save_dir, tp, pp, iteration)
+        return _full_layout_description(hf_deepseek_v3.megatron_config_from_hf(config))
     desc = from_hf_config(config, make_vocab_size_divisible_by, tp)
     full = hf_mapping.hf_to_megatron(hf_state, desc)
     args = to_megatron_args(desc, tp, pp, iteration or 0)
@@ -94,6 +103,30 @@ def hf_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, itera
         args["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     write_legacy_checkpoint(save_dir, full, args, desc, iteration, tp, pp)
     return desc
+
+
+def _arg(args, name, default=None):
+    return args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
+
+
+def _full_layout_description(args):
+    """What the legacy layout needs of a DeepSeek-V3 model (its layer count; fc1 is SwiGLU)."""
+    return SimpleNamespace(num_layers=_arg(args, "num_layers"), hidden_size=_arg(args, "hidden_size"), swiglu=True,
+                           num_query_groups=None,
+                           tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", True))
+
+
+def _is_deepseek_v3_checkpoint(load_dir: str) -> bool:
+    """A legacy checkpoint whose args say --multi-latent-attention."""
+    from tools.checkpoint.legacy_layout import read_tracker
+
+    iter_name, _ = read_tracker(load_dir)
+    iter_dir = os.path.join(load_dir, iter_name)
+    for name in sorted(os.listdir(iter_dir)) if os.path.isdir(iter_dir) else []:
+        path = os.path.join(iter_dir, name, "model_optim_rng.pt")
+        if os.path.isfile(path):
+            return bool(_arg(safe_torch_load(path).get("args"), "multi_latent_attention", False))
+    return False
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
