@@ -145,3 +145,34 @@ def test_mla_mtp_flops_follow_megatron(q_lora_rank, mtp):
     logits = 6 * H * V * (D + 1)
     want = B * s * (mlp + attn + mtp_terms + logits)
     assert num_floating_point_operations(a, B) == pytest.approx(want, rel=1e-12)
+
+
+def test_mla_up_proj_recompute_keeps_outputs_and_gradients():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    init_single_rank()
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        config = MLATransformerConfig(
+            num_layers=1, hidden_size=16, num_attention_heads=4, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4,
+            qk_pos_emb_head_dim=4, v_head_dim=4, qk_layernorm=True, normalization="RMSNorm",
+            use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.float64,
+            recompute_granularity="selective" if recompute else None,
+            recompute_modules=["mla_up_proj"] if recompute else None)
+        layer = build_module(get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True,
+                                                      normalization="RMSNorm"), config=config, layer_number=1)
+        assert getattr(layer.self_attention.up_projection, "__name__", "") == ("method" if recompute else
+                                                                                "up_projection")
+        x = torch.randn(6, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1),
+                        requires_grad=True)
+        out, _ = layer(x)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, [p.grad for p in layer.parameters()]))
+    (o1, g1, p1), (o2, g2, p2) = results
+    torch.testing.assert_close(o1, o2)
+    torch.testing.assert_close(g1, g2)
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a, b)
