@@ -6,8 +6,9 @@
 
 Supported: Llama / Mistral / Qwen2 (qkv bias) / Qwen3 (qk-norm) style models (RoPE, RMSNorm, SwiGLU,
 GQA, tied or untied), GPT-2 (learned positions, LayerNorm, GELU, biases), the MoE models Mixtral and
-Qwen3-MoE (SequentialMLP expert keys, EP=1 on the Megatron side; `hf_mapping_moe`) and Mamba2
-(`hf_mapping_mamba`; any TP on import, TP=1 PP=1 on export). The HF side is a local
+Qwen3-MoE (SequentialMLP expert keys, EP=1 on the Megatron side; `hf_mapping_moe`), Mamba2
+(`hf_mapping_mamba`; any TP on import, TP=1 PP=1 on export) and DeepSeek-V3 (`model_type` deepseek_v3: MLA +
+MoE, TP=1 on the Megatron side; mapping in `hf_deepseek_v3.py`). The HF side is a local
 directory with `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`);
 nothing is downloaded.
 """
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 if __package__ in (None, ""):
@@ -25,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron.core.dist_checkpointing.safe_load import safe_torch_load
-from tools.checkpoint import hf_mapping, hf_mapping_mamba
+from tools.checkpoint import hf_deepseek_v3, hf_mapping, hf_mapping_mamba
 from tools.checkpoint.legacy_layout import read_legacy_checkpoint, write_legacy_checkpoint
 from tools.checkpoint.model_description import (
     ModelDescription,
@@ -87,6 +89,10 @@ def megatron_to_hf(load_dir: str, save_dir: str, true_vocab_size: Optional[int] 
         config, state = hf_mapping_mamba.read_megatron_dir(load_dir)
         write_hf_dir(save_dir, config, state)
         return None
+    if _is_deepseek_v3_checkpoint(load_dir):
+        full, args, _, _ = read_legacy_checkpoint(load_dir, _full_layout_description)
+        hf_deepseek_v3.megatron_dir_to_hf(full, args, save_dir, write_hf_dir)
+        return _full_layout_description(args)
     full, _, _, desc = read_legacy_checkpoint(load_dir, from_megatron_args)
     _progress(f"read {len(full)} tensors; mapping {desc.num_layers} layers to HF names")
     if true_vocab_size is not None:
@@ -113,6 +119,9 @@ def hf_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, itera
             raise ValueError(f"--target-pipeline-parallel-size {pp}: Mamba2 checkpoints are written at PP=1 here.")
         hf_mapping_mamba.write_megatron_dir(config, hf_state, save_dir, tp)
         return None
+    if config.get("model_type") == "deepseek_v3":  # MLA + MoE: its own mapping (tools/checkpoint/hf_deepseek_v3.py)
+        hf_deepseek_v3.hf_dir_to_megatron(config, hf_state, save_dir, tp, pp, iteration)
+        return _full_layout_description(hf_deepseek_v3.megatron_config_from_hf(config))
     desc = from_hf_config(config, make_vocab_size_divisible_by, tp)
     full = hf_mapping.hf_to_megatron(hf_state, desc)
     _progress(f"writing TP={tp} PP={pp} shards to {save_dir}")
@@ -122,6 +131,30 @@ def hf_to_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, itera
     write_legacy_checkpoint(save_dir, full, args, desc, iteration, tp, pp)
     _progress("done")
     return desc
+
+
+def _arg(args, name, default=None):
+    return args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
+
+
+def _full_layout_description(args):
+    """What the legacy layout needs of a DeepSeek-V3 model (its layer count; fc1 is SwiGLU)."""
+    return SimpleNamespace(num_layers=_arg(args, "num_layers"), hidden_size=_arg(args, "hidden_size"), swiglu=True,
+                           num_query_groups=None,
+                           tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", True))
+
+
+def _is_deepseek_v3_checkpoint(load_dir: str) -> bool:
+    """A legacy checkpoint whose args say --multi-latent-attention."""
+    from tools.checkpoint.legacy_layout import read_tracker
+
+    iter_name, _ = read_tracker(load_dir)
+    iter_dir = os.path.join(load_dir, iter_name)
+    for name in sorted(os.listdir(iter_dir)) if os.path.isdir(iter_dir) else []:
+        path = os.path.join(iter_dir, name, "model_optim_rng.pt")
+        if os.path.isfile(path):
+            return bool(_arg(safe_torch_load(path).get("args"), "multi_latent_attention", False))
+    return False
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:

@@ -213,29 +213,38 @@ class MLASelfAttention(MultiLatentAttention):
             latent = gather_from_tensor_model_parallel_region(latent, group=self.tp_group)
         return latent
 
-    def _query(self, hidden_states):
-        """Queries [s, b, n/tp, q_head_dim] before RoPE."""
+    def _query_input(self, hidden_states):
+        """The q LoRA latent [s, b, q_lora_rank] (normed by the up projection), or the full-rank queries."""
         if self.config.q_lora_rank is None:
             q, _ = self.linear_q_proj(hidden_states)
-        else:
-            q_compressed = self._gathered_latent(self.linear_q_down_proj, hidden_states)
-            if self.config.sequence_parallel:
-                q_compressed = scatter_to_sequence_parallel_region(q_compressed, group=self.tp_group)
-            q, _ = self.linear_q_up_proj(self.q_layernorm(q_compressed))
-        return q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)  # [s, b, n*qhd] -> [s, b, n, qhd]
+            return q
+        q_compressed = self._gathered_latent(self.linear_q_down_proj, hidden_states)
+        if self.config.sequence_parallel:
+            q_compressed = scatter_to_sequence_parallel_region(q_compressed, group=self.tp_group)
+        return q_compressed
 
     def get_query_key_value_tensors(self, hidden_states, angles=None, mscale=1.0):
         """query, key [s, b, n/tp, q_head_dim] (RoPE applied to the decoupled part), value [s, b, n/tp, v]."""
         cfg = self.config
-        query = self._query(hidden_states)
+        q_input = self._query_input(hidden_states)
         kv_combined = self._gathered_latent(self.linear_kv_down_proj, hidden_states)
         kv_compressed, k_pos_emb = torch.split(kv_combined, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
         # every TP rank uses the one k_pe head for its own heads: sum its gradient over TP
         k_pos_emb = copy_to_tensor_model_parallel_region(k_pos_emb, group=self.tp_group)
         if cfg.sequence_parallel:
             kv_compressed = scatter_to_sequence_parallel_region(kv_compressed, group=self.tp_group)
-        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(kv_compressed))
+        return self.up_projection(q_input, kv_compressed, k_pos_emb, angles, mscale)
+
+    def up_projection(self, q_input, kv_compressed, k_pos_emb, angles=None, mscale=1.0):
+        """Latents -> per-head query, key, value with RoPE (what selective recompute `mla_up_proj` re-runs)."""
+        cfg = self.config
         heads = self.num_attention_heads_per_partition
+        if cfg.q_lora_rank is None:
+            q = q_input
+        else:
+            q, _ = self.linear_q_up_proj(self.q_layernorm(q_input))
+        query = q.view(*q.shape[:-1], heads, self.q_head_dim)  # [s, b, n*qhd] -> [s, b, n, qhd]
+        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(kv_compressed))
         kv = kv.view(*kv.shape[:-1], heads, cfg.qk_head_dim + cfg.v_head_dim)  # [s, b, n*(qk+v)] -> [s, b, n, qk+v]
         k_no_pe, value = torch.split(kv, [cfg.qk_head_dim, cfg.v_head_dim], dim=-1)
         q_no_pe, q_pos_emb = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)

@@ -89,7 +89,7 @@ class MTPLossLoggingHelper:
                              avg_group=None):
         """Add `loss` (detached) to depth `layer_number` (0-based) of `num_layers`."""
         tracker = MTPLossLoggingHelper.tracker
-        if "values" not in tracker:
+        if "values" not in tracker or tracker["values"].numel() != num_layers:
             tracker["values"] = torch.zeros(num_layers, device=loss.device)
         tracker["values"][layer_number] += loss.detach()
         tracker["reduce_group"] = reduce_group

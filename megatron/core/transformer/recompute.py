@@ -59,6 +59,18 @@ def checkpoint_forward(module: torch.nn.Module, distribute_saved_activations: bo
     return module
 
 
+def checkpoint_method(module: torch.nn.Module, name: str, distribute_saved_activations: bool = False) -> None:
+    """Make `module.<name>` (a method returning tensors) recompute during backward, in training with grad on."""
+    original = getattr(module, name)
+
+    def method(*args, **kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        return checkpointed_call(original, distribute_saved_activations, *args, **kwargs)
+
+    setattr(module, name, method)
+
+
 def apply_selective_recompute(layer: torch.nn.Module, recompute_modules) -> None:
     """Wrap the parts of a transformer layer named in `recompute_modules` (selective granularity)."""
     targets = {
@@ -67,6 +79,9 @@ def apply_selective_recompute(layer: torch.nn.Module, recompute_modules) -> None
         "layernorm": [getattr(layer, "input_layernorm", None), getattr(layer, "pre_mlp_layernorm", None)],
         "moe_act": [],
     }
+    attention = getattr(layer, "self_attention", None)
+    if "mla_up_proj" in recompute_modules and hasattr(attention, "up_projection"):
+        checkpoint_method(attention, "up_projection")  # MLA: q/kv up projections and RoPE
     for name in recompute_modules:
         for module in targets.get(name, []):
             if module is not None and not _is_identity(module):
@@ -77,4 +92,4 @@ def _is_identity(module: torch.nn.Module) -> bool:
     return isinstance(module, IdentityOp)
 
 
-__all__ = ["checkpointed_call", "checkpoint_forward", "apply_selective_recompute"]
+__all__ = ["checkpointed_call", "checkpoint_forward", "checkpoint_method", "apply_selective_recompute"]
