@@ -150,3 +150,30 @@ def test_decoding_with_states_equals_full_recompute(mem_eff):
             context.sequence_len_offset += 1
     conv, ssm = context.key_value_memory_dict[1]
     assert conv.shape == (4, 2, 64 + 2 * 2 * 8) and ssm.shape == (8, 2, 8, 8)
+
+
+def test_dist_checkpoint_keys_are_megatrons():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory, apply_factories
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = MambaModel(_config(), mamba_stack_spec, vocab_size=64, max_sequence_length=16,
+                       hybrid_override_pattern="M*M-")
+    sharded = model.sharded_state_dict()
+    assert isinstance(sharded["decoder.layers.0.mixer.in_proj.weight"], ShardedTensorFactory)
+    apply_factories(sharded)
+    keys = set()
+    for value in sharded.values():
+        for item in (value.values() if isinstance(value, dict) else [value]):
+            keys.add(item.key)
+    prefix = "decoder.layers.2.mixer."
+    for name in ("in_proj.weight.z", "in_proj.weight.x", "in_proj.weight.B", "in_proj.weight.C", "in_proj.weight.dt",
+                 "conv1d.weight.x", "conv1d.weight.B", "conv1d.weight.C", "conv1d.bias.x", "conv1d.bias.B",
+                 "conv1d.bias.C", "A_log", "dt_bias", "D", "norm.weight", "out_proj.weight",
+                 "in_proj.layer_norm_weight"):
+        assert prefix + name in keys, name
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in keys  # global index, no stacking
+    assert "decoder.final_norm.weight" in keys
+    z = next(v for v in sharded["decoder.layers.0.mixer.in_proj.weight"].values()
+             if v.key.endswith(".z"))
+    assert z.global_shape == (64, 32)
