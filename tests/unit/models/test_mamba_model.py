@@ -177,3 +177,21 @@ def test_dist_checkpoint_keys_are_megatrons():
     z = next(v for v in sharded["decoder.layers.0.mixer.in_proj.weight"].values()
              if v.key.endswith(".z"))
     assert z.global_shape == (64, 32)
+
+
+def test_command_line_mamba_problems_are_collected_once():
+    from megatron.training.arguments import ArgumentsError, _parse, validate_args
+
+    argv = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 64 --seq-length 32 "
+            "--micro-batch-size 2 --train-iters 10 --spec megatron.core.models.mamba.mamba_layer_specs "
+            "mamba_stack_spec --hybrid-override-pattern M*E- --mamba-num-groups 3 --mamba-head-dim 16").split()
+    args = _parse(argv)
+    args.world_size, args.rank = 1, 0
+    with pytest.raises(ArgumentsError) as err:
+        validate_args(args)
+    text = " ".join(err.value.problems)
+    assert "'E'" in text and "--mamba-num-groups (3)" in text
+    ok = _parse([a.replace("M*E-", "M*M-") for a in argv if a not in ("--mamba-num-groups", "3")])
+    ok.world_size, ok.rank = 1, 0
+    validate_args(ok)
+    assert ok.hybrid_override_pattern == "M*M-"
