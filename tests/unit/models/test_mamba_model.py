@@ -195,3 +195,16 @@ def test_command_line_mamba_problems_are_collected_once():
     ok.world_size, ok.rank = 1, 0
     validate_args(ok)
     assert ok.hybrid_override_pattern == "M*M-"
+
+
+def test_bench_flops_formula_equals_the_trainers():
+    from benchmarks.gpu import mamba_bench
+    from megatron.training.arguments import _parse
+    from megatron.training.training_log import num_floating_point_operations
+
+    model = mamba_bench.MODEL_1B
+    args = _parse(mamba_bench.flags(model, 2, smoke=False))
+    args.padded_vocab_size = -(-model["vocab"] // 128) * 128
+    args.ffn_hidden_size = model["ffn"]
+    assert num_floating_point_operations(args, model["mbs"]) == pytest.approx(
+        mamba_bench.hybrid_flops(model, model["mbs"]), rel=1e-12)
