@@ -208,3 +208,20 @@ def test_bench_flops_formula_equals_the_trainers():
     args.ffn_hidden_size = model["ffn"]
     assert num_floating_point_operations(args, model["mbs"]) == pytest.approx(
         mamba_bench.hybrid_flops(model, model["mbs"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_full_recompute_gives_the_same_gradients(method):
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        extra = dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=2) if recompute \
+            else {}
+        model = MambaModel(_config(**extra), mamba_stack_spec, vocab_size=64, max_sequence_length=16,
+                           hybrid_override_pattern="M*M-")
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+        model(ids, torch.arange(16)[None].expand(2, -1), None, labels=ids).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
