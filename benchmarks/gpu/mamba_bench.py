@@ -7,8 +7,13 @@ Prints one JSON line (and writes it to `--out`).
 
   python benchmarks/gpu/mamba_bench.py                 # H200: hybrid ~1B, seq 4096, bf16
   python benchmarks/gpu/mamba_bench.py --smoke         # CPU: a tiny model, three iterations (checks the script)
+  python benchmarks/gpu/mamba_bench.py --ssm-impl torch # force the PyTorch reference ops (A/B against Triton)
+
+`--ssm-impl torch|triton` trains through a copy of `mamba_stack_spec` whose mixers get that `ssm_impl`
+(`--spec benchmarks.gpu.mamba_bench torch_stack_spec`); the default `auto` uses Megatron's spec path.
 """
 import argparse
+import copy
 import json
 import os
 import re
@@ -16,24 +21,43 @@ import statistics
 import subprocess
 import sys
 
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SPEC = "--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec"
+SPECS = {"auto": "--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec",
+         "torch": "--spec benchmarks.gpu.mamba_bench torch_stack_spec",
+         "triton": "--spec benchmarks.gpu.mamba_bench triton_stack_spec"}
 # ~0.96B parameters: 28 layers = 14 Mamba, 3 attention (GQA 16/8 heads), 11 MLP (ffn 4H), hidden 2048, vocab 32k.
 MODEL_1B = dict(num_layers=28, hidden=2048, heads=16, groups_q=8, ffn=8192, attn_ratio=0.1, mlp_ratio=0.4,
                 state=128, head_dim=64, mamba_groups=8, vocab=32000, seq=4096, mbs=2)
 MODEL_SMOKE = dict(num_layers=4, hidden=64, heads=4, groups_q=2, ffn=256, attn_ratio=0.25, mlp_ratio=0.25,
                    state=16, head_dim=16, mamba_groups=2, vocab=4096, seq=64, mbs=2)
+
+
+def _stack_spec_with_impl(impl):
+    """`mamba_stack_spec` whose Mamba mixers run the `impl` ops ("torch" or "triton")."""
+    spec = copy.deepcopy(mamba_stack_spec)
+    mixer = spec.submodules.mamba_layer.submodules.mixer
+    mixer.params = dict(mixer.params or {}, ssm_impl=impl)
+    return spec
+
+
+torch_stack_spec = _stack_spec_with_impl("torch")
+triton_stack_spec = _stack_spec_with_impl("triton")
 ITER_RE = re.compile(r" iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|"
                      r"(?: throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+) \|)?")
 
 
-def flags(m, iters, smoke):
+def flags(m, iters, smoke, impl="auto"):
     """The pretrain_mamba.py command line of model `m`."""
     out = (f"--num-layers {m['num_layers']} --hidden-size {m['hidden']} --num-attention-heads {m['heads']} "
            f"--group-query-attention --num-query-groups {m['groups_q']} --ffn-hidden-size {m['ffn']} "
            f"--hybrid-attention-ratio {m['attn_ratio']} --hybrid-mlp-ratio {m['mlp_ratio']} --is-hybrid-model "
            f"--mamba-state-dim {m['state']} --mamba-head-dim {m['head_dim']} --mamba-num-groups {m['mamba_groups']} "
-           f"{SPEC} --normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
+           f"{SPECS[impl]} --normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
            f"--position-embedding-type none --seq-length {m['seq']} --max-position-embeddings {m['seq']} "
            f"--micro-batch-size {m['mbs']} --global-batch-size {m['mbs']} --train-iters {iters} "
            f"--lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 1 --bf16 --mock-data "
@@ -65,6 +89,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=None, help="training iterations (default 12, smoke 3)")
     parser.add_argument("--skip", type=int, default=None, help="warm-up iterations left out (default 3, smoke 1)")
     parser.add_argument("--mbs", type=int, default=None, help="micro batch size")
+    parser.add_argument("--ssm-impl", choices=sorted(SPECS), default="auto", help="SSD scan / conv1d ops")
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
     model = dict(MODEL_SMOKE if args.smoke else MODEL_1B)
@@ -74,7 +99,7 @@ def main(argv=None):
     skip = args.skip if args.skip is not None else (1 if args.smoke else 3)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_mamba.py"), *flags(model, iters, args.smoke)]
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_mamba.py"), *flags(model, iters, args.smoke, args.ssm_impl)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rows = [(int(i), float(ms), float(tf) if tf else None) for i, ms, tf in ITER_RE.findall(proc.stdout)]
     if proc.returncode != 0 or len(rows) < iters:
@@ -83,7 +108,7 @@ def main(argv=None):
     kept = rows[skip:] or rows[-1:]
     ms = statistics.median(r[1] for r in kept)
     logged = [r[2] for r in kept if r[2] is not None]
-    result = {"model": "hybrid-1b" if not args.smoke else "hybrid-smoke", "layers": model["num_layers"],
+    result = {"model": "hybrid-1b" if not args.smoke else "hybrid-smoke", "ssm_impl": args.ssm_impl, "layers": model["num_layers"],
               "hidden": model["hidden"], "seq": model["seq"], "mbs": model["mbs"], "iters": iters,
               "median_iter_ms": ms, "tokens_per_s": model["mbs"] * model["seq"] / (ms / 1000),
               "tflops_logged": statistics.median(logged) if logged else None,

@@ -1,5 +1,6 @@
-"""Hybrid Mamba model (pattern `M*M-`: Mamba, attention, Mamba, MLP) with TP=2 + sequence parallelism and with
-PP=2 (tied embeddings across stages) against the same model in one process, in ONE gloo launch of world 2.
+"""Hybrid Mamba model (pattern `M*M-`: Mamba, attention, Mamba, MLP) with TP=2 + sequence parallelism, with
+PP=2 (tied embeddings across stages) and with CP=2 (load-balanced sequence chunks; the mixer's all-to-all to
+head shards) against the same model in one process, in ONE gloo launch of world 2.
 
 Every rank builds the single-process reference and computes its losses and gradients, then builds each parallel
 layout from the reference weights. The Mamba mixer's TP layout is not a plain chunk: each rank's `in_proj` rows
@@ -22,16 +23,17 @@ from tests.harness import run_on_ranks
 
 VOCAB, SEQ, MBS, HIDDEN, MICROBATCHES, PATTERN = 64, 16, 2, 32, 2, "M*M-"
 D_INNER, GROUPS, STATE, HEADS = 2 * HIDDEN, 2, 8, 8  # head dim 8
-CASES = [dict(name="tp2-sp", tp=2, pp=1, sp=True), dict(name="pp2", tp=1, pp=2, sp=False)]
+CASES = [dict(name="tp2-sp", tp=2, pp=1, sp=True), dict(name="pp2", tp=1, pp=2, sp=False),
+         dict(name="cp2", tp=1, pp=1, sp=False, cp=2)]
 
 
-def _config(tp=1, pp=1, sp=False):
+def _config(tp=1, pp=1, sp=False, cp=1):
     return TransformerConfig(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=64,
                              mamba_state_dim=STATE, mamba_head_dim=8, mamba_num_groups=GROUPS,
                              normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
                              pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
-                             is_hybrid_model=True)
+                             is_hybrid_model=True, context_parallel_size=cp, cp_comm_type="p2p" if cp > 1 else None)
 
 
 def _build(config):
@@ -135,11 +137,58 @@ def _parallel(case, state):
     return dict(losses=losses, grads=grads, tp_rank=rank)
 
 
+def _context_parallel_case(state):
+    """CP=2 outside the schedules: loss = local masked sum / global token count, gradients summed over CP."""
+    import torch.distributed as dist
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=2)
+    model_parallel_cuda_manual_seed(11)
+    model = _build(_config(cp=2))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state[_reference_name(model, name)])
+    batch = _batches()[0]
+    total = batch["loss_mask"].sum()
+    local = get_batch_on_this_cp_rank(dict(batch, positions=_positions().clone()))
+    losses = model(local["tokens"], local["positions"], None, labels=local["labels"])
+    loss = (losses * local["loss_mask"]).sum() / total
+    loss.backward()
+    group = parallel_state.get_context_parallel_group()
+    grads = []
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad, group=group)
+        grads.append((_reference_name(model, name), param.grad.clone(), None))
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=group)
+    parallel_state.destroy_model_parallel()
+    return dict(losses=[reported.item()], grads=grads, tp_rank=0)
+
+
+def _reference_one_batch(state):
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(7)
+    model = _build(_config())
+    model.load_state_dict(state, strict=False)
+    batch = _batches()[0]
+    losses = model(batch["tokens"], _positions(), None, labels=batch["labels"])
+    loss = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    parallel_state.destroy_model_parallel()
+    return [loss.item()], grads
+
+
 def _worker():
     out = []
     for case in CASES:
         state, ref_losses, ref_grads = _reference()
-        got = _parallel(case, state)
+        if case.get("cp", 1) > 1:
+            ref_losses, ref_grads = _reference_one_batch(state)
+            got = _context_parallel_case(state)
+        else:
+            got = _parallel(case, state)
         problems = []
         if got["losses"] is not None:
             problems += [f"{case['name']}: loss {g} != {w}" for g, w in zip(got["losses"], ref_losses)
@@ -154,7 +203,7 @@ def _worker():
     return out
 
 
-def test_hybrid_tp2_sp_and_pp2_match_one_process():
+def test_hybrid_tp2_sp_pp2_and_cp2_match_one_process():
     results = run_on_ranks(_worker, 2, timeout=400)
     for index, case in enumerate(CASES):
         per_rank = [r[index] for r in results]

@@ -27,13 +27,19 @@ class RMSNormGated(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x, z [..., d] -> [..., d] (fp32 math, result in the dtype of x)."""
-        xf = x.float()
-        if z is not None:
-            xf = xf * F.silu(z.float())
-        grouped = xf.reshape(*xf.shape[:-1], -1, self.group_size)  # [..., d] -> [..., groups, group_size]
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        out = grouped.reshape(xf.shape) * self.weight.float()  # [..., groups, group_size] -> [..., d]
-        return out.to(x.dtype)
+        return gated_rms_norm(x, z, self.weight, self.group_size, self.eps)
 
 
-__all__ = ["RMSNormGated"]
+def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, group_size: int,
+                   eps: float) -> torch.Tensor:
+    """RMSNorm_grouped(x * silu(z)) * weight over the last dimension (z optional), fp32 math."""
+    xf = x.float()
+    if z is not None:
+        xf = xf * F.silu(z.float())
+    grouped = xf.reshape(*xf.shape[:-1], -1, group_size)  # [..., d] -> [..., groups, group_size]
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = grouped.reshape(xf.shape) * weight.float()  # [..., groups, group_size] -> [..., d]
+    return out.to(x.dtype)
+
+
+__all__ = ["RMSNormGated", "gated_rms_norm"]

@@ -20,7 +20,9 @@ import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.ssm import ops
-from megatron.core.ssm.gated_rmsnorm import RMSNormGated
+from megatron.core import parallel_state
+from megatron.core.ssm.gated_rmsnorm import RMSNormGated, gated_rms_norm
+from megatron.core.ssm.mamba_context_parallel import MambaCPSlices, cp_problems
 from megatron.core.ssm.mamba_state import decode_step, store_prefill
 from megatron.core.tensor_parallel.utils import make_tp_sharded_tensor_for_checkpoint
 from megatron.core.transformer.module import MegatronModule
@@ -110,7 +112,14 @@ class MambaMixer(MegatronModule):
                              "(Megatron asserts the same).")
         self.tp_group = get_model_comm_pgs_tp(model_comm_pgs)
         tp_size = get_tp_world_size(self.tp_group)
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            cp_group = getattr(model_comm_pgs, "cp", None) if model_comm_pgs is not None else None
+            self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         problems = check_mamba_dims(config, d_model, tp_size, expand)
+        if not problems and config.context_parallel_size > 1:
+            d = mamba_dims(config, d_model, expand, tp_size)
+            problems = cp_problems(d["nheads_local"], d["ngroups_local"], config.context_parallel_size)
         if problems:
             raise ValueError("MambaMixer: " + " ".join(problems))
         dims = mamba_dims(config, d_model, expand, tp_size)
@@ -169,31 +178,72 @@ class MambaMixer(MegatronModule):
             y, z = decode_step(self, context, zxbcdt[0])
             y = self.norm(y, z)[None]  # [b, d] -> [1, b, d]
             return self.out_proj(y)
+        if self.cp_group is not None and context is None:
+            return self.out_proj(self._context_parallel_ssm(zxbcdt))
         zxbcdt = zxbcdt.transpose(0, 1)  # [s, b, r] -> [b, s, r]
         y = self.ssm(zxbcdt, context)  # [b, s, d_inner/tp]
         y = y.transpose(0, 1).contiguous()  # [b, s, d] -> [s, b, d]
         return self.out_proj(y)
 
+    def _local_params(self) -> dict:
+        """This rank's conv / SSM / norm parameters and sizes (all of the TP rank's heads)."""
+        return {"conv_w": self.conv1d.weight.squeeze(1), "conv_b": self.conv1d.bias, "dt_bias": self.dt_bias,
+                "A_log": self.A_log, "D": self.D, "norm_w": self.norm.weight, "heads": self.nheads_local,
+                "groups": self.ngroups_local}
+
     def ssm(self, zxbcdt: torch.Tensor, context=None) -> torch.Tensor:
         """Conv, scan, gate and norm: zxbcdt [b, l, rows/tp] -> y [b, l, d_inner/tp]."""
-        b, length, _ = zxbcdt.shape
-        groups_state = self.ngroups_local * self.d_state
         z, xbc_in, dt = torch.split(zxbcdt, [self.d_inner_local, self.conv_dim_local, self.nheads_local], dim=-1)
-        xbc = ops.causal_conv1d(xbc_in.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                activation="silu", impl=self.ssm_impl).transpose(1, 2)  # [b, l, conv_dim/tp]
-        x, B, C = torch.split(xbc, [self.d_inner_local, groups_state, groups_state], dim=-1)
-        x = x.reshape(b, length, self.nheads_local, self.headdim)  # [b, l, d] -> [b, l, h, p]
-        B = B.reshape(b, length, self.ngroups_local, self.d_state)  # [b, l, G*N] -> [b, l, G, N]
-        C = C.reshape(b, length, self.ngroups_local, self.d_state)  # [b, l, G*N] -> [b, l, G, N]
-        A = -torch.exp(self.A_log.float())
-        z_heads = z.reshape(b, length, self.nheads_local, self.headdim) if self.use_mem_eff_path else None
-        out = ops.ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=self.D, z=z_heads, dt_bias=self.dt_bias,
-                                 dt_softplus=True, return_final_states=context is not None, impl=self.ssm_impl)
+        y, final_state = self._conv_scan_norm(z, xbc_in, dt, self._local_params(), context is not None)
         if context is not None:
-            out, final_state = out
             store_prefill(self, context, xbc_in, final_state)
-        y = out.reshape(b, length, self.d_inner_local)  # [b, l, h, p] -> [b, l, d]
-        return self.norm(y) if self.use_mem_eff_path else self.norm(y, z)
+        return y
+
+    def _conv_scan_norm(self, z, xbc_in, dt, params: dict, want_state: bool = False):
+        """z [b, l, H*P], xbc_in [b, l, H*P + 2*G*N], dt [b, l, H] for `params`' H heads and G groups ->
+        (y [b, l, H*P], final SSM state or None)."""
+        b, length, _ = z.shape
+        heads, groups = params["heads"], params["groups"]
+        inner, groups_state = heads * self.headdim, groups * self.d_state
+        xbc = ops.causal_conv1d(xbc_in.transpose(1, 2), params["conv_w"], params["conv_b"], activation="silu",
+                                impl=self.ssm_impl).transpose(1, 2)  # [b, l, conv channels]
+        x, B, C = torch.split(xbc, [inner, groups_state, groups_state], dim=-1)
+        x = x.reshape(b, length, heads, self.headdim)  # [b, l, d] -> [b, l, h, p]
+        B = B.reshape(b, length, groups, self.d_state)  # [b, l, G*N] -> [b, l, G, N]
+        C = C.reshape(b, length, groups, self.d_state)  # [b, l, G*N] -> [b, l, G, N]
+        A = -torch.exp(params["A_log"].float())
+        z_heads = z.reshape(b, length, heads, self.headdim) if self.use_mem_eff_path else None
+        out = ops.ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=params["D"], z=z_heads,
+                                 dt_bias=params["dt_bias"], dt_softplus=True, return_final_states=want_state,
+                                 impl=self.ssm_impl)
+        out, final_state = out if want_state else (out, None)
+        y = out.reshape(b, length, inner)  # [b, l, h, p] -> [b, l, d]
+        y = gated_rms_norm(y, None if self.use_mem_eff_path else z, params["norm_w"], self.norm.group_size,
+                           self.norm.eps)
+        return y, final_state
+
+    def _context_parallel_ssm(self, zxbcdt: torch.Tensor) -> torch.Tensor:
+        """zxbcdt [s/cp, b, rows/tp] (load-balanced shard) -> y [s/cp, b, d_inner/tp] (`mamba_context_parallel`)."""
+        cp = MambaCPSlices(self, self.cp_group)
+        s_local, b, _ = zxbcdt.shape
+        groups_state = self.ngroups_local * self.d_state
+        z, x, B, C, dt = torch.split(zxbcdt, [self.d_inner_local, self.d_inner_local, groups_state, groups_state,
+                                              self.nheads_local], dim=-1)
+        z, x = (cp.to_heads(t.reshape(s_local, b, self.nheads_local, self.headdim)) for t in (z, x))  # [s, b, h/cp, p]
+        B, C = (cp.to_heads(t.reshape(s_local, b, self.ngroups_local, self.d_state)) for t in (B, C))  # [s, b, G/cp, N]
+        dt = cp.to_heads(dt.reshape(s_local, b, self.nheads_local, 1))  # [s, b, h/cp, 1]
+        seq = z.shape[0]
+        flat = [t.reshape(seq, b, -1).transpose(0, 1) for t in (z, x, B, C, dt)]  # [s, b, n, d] -> [b, s, n*d]
+        xbc_in = torch.cat(flat[1:4], dim=-1)
+        channels = cp.channels.to(self.conv1d.weight.device)
+        conv_b = self.conv1d.bias.index_select(0, channels) if self.conv1d.bias is not None else None
+        params = {"conv_w": self.conv1d.weight.squeeze(1).index_select(0, channels), "conv_b": conv_b,
+                  "dt_bias": self.dt_bias[cp.head_slice], "A_log": self.A_log[cp.head_slice],
+                  "D": self.D[cp.head_slice], "norm_w": self.norm.weight[cp.inner], "heads": cp.heads,
+                  "groups": cp.groups}
+        y, _ = self._conv_scan_norm(flat[0], xbc_in, flat[4], params)  # [b, s, d/cp]
+        y = y.transpose(0, 1).reshape(seq, b, cp.heads, self.headdim)  # [b, s, d/cp] -> [s, b, h/cp, p]
+        return cp.to_sequence(y).reshape(s_local, b, self.d_inner_local)  # [s/cp, b, h, p] -> [s/cp, b, d]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Megatron's dist keys: in_proj/conv1d split into TP-invariant pieces, the per-head tensors TP-sharded."""

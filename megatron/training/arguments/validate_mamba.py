@@ -4,7 +4,8 @@ from types import SimpleNamespace
 from typing import List
 
 from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
-from megatron.core.ssm.mamba_mixer import check_mamba_dims
+from megatron.core.ssm.mamba_context_parallel import cp_problems
+from megatron.core.ssm.mamba_mixer import check_mamba_dims, mamba_dims
 
 
 def is_mamba_run(args) -> bool:
@@ -34,13 +35,15 @@ def validate_mamba(args) -> List[str]:
     if any(value is not None for value in virtual):
         problems.append("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: Mamba / "
                         "hybrid stacks have no virtual pipeline stages (as in Megatron-LM): drop the flag.")
-    if args.context_parallel_size > 1:
-        problems.append(f"--context-parallel-size ({args.context_parallel_size}): context parallelism of Mamba "
-                        "layers is not implemented yet: use 1.")
     if args.hidden_size is not None:
         view = SimpleNamespace(mamba_head_dim=args.mamba_head_dim, mamba_num_groups=args.mamba_num_groups,
                                mamba_state_dim=args.mamba_state_dim, mamba_num_heads=args.mamba_num_heads)
-        problems += check_mamba_dims(view, args.hidden_size, args.tensor_model_parallel_size)
+        tp = args.tensor_model_parallel_size
+        dims_problems = check_mamba_dims(view, args.hidden_size, tp)
+        problems += dims_problems
+        if not dims_problems and args.context_parallel_size > 1:
+            dims = mamba_dims(view, args.hidden_size, tp_size=tp)
+            problems += cp_problems(dims["nheads_local"], dims["ngroups_local"], args.context_parallel_size)
     return problems
 
 

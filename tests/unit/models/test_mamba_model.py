@@ -150,3 +150,78 @@ def test_decoding_with_states_equals_full_recompute(mem_eff):
             context.sequence_len_offset += 1
     conv, ssm = context.key_value_memory_dict[1]
     assert conv.shape == (4, 2, 64 + 2 * 2 * 8) and ssm.shape == (8, 2, 8, 8)
+
+
+def test_dist_checkpoint_keys_are_megatrons():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory, apply_factories
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = MambaModel(_config(), mamba_stack_spec, vocab_size=64, max_sequence_length=16,
+                       hybrid_override_pattern="M*M-")
+    sharded = model.sharded_state_dict()
+    assert isinstance(sharded["decoder.layers.0.mixer.in_proj.weight"], ShardedTensorFactory)
+    apply_factories(sharded)
+    keys = set()
+    for value in sharded.values():
+        for item in (value.values() if isinstance(value, dict) else [value]):
+            keys.add(item.key)
+    prefix = "decoder.layers.2.mixer."
+    for name in ("in_proj.weight.z", "in_proj.weight.x", "in_proj.weight.B", "in_proj.weight.C", "in_proj.weight.dt",
+                 "conv1d.weight.x", "conv1d.weight.B", "conv1d.weight.C", "conv1d.bias.x", "conv1d.bias.B",
+                 "conv1d.bias.C", "A_log", "dt_bias", "D", "norm.weight", "out_proj.weight",
+                 "in_proj.layer_norm_weight"):
+        assert prefix + name in keys, name
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in keys  # global index, no stacking
+    assert "decoder.final_norm.weight" in keys
+    z = next(v for v in sharded["decoder.layers.0.mixer.in_proj.weight"].values()
+             if v.key.endswith(".z"))
+    assert z.global_shape == (64, 32)
+
+
+def test_command_line_mamba_problems_are_collected_once():
+    from megatron.training.arguments import ArgumentsError, _parse, validate_args
+
+    argv = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 64 --seq-length 32 "
+            "--micro-batch-size 2 --train-iters 10 --spec megatron.core.models.mamba.mamba_layer_specs "
+            "mamba_stack_spec --hybrid-override-pattern M*E- --mamba-num-groups 3 --mamba-head-dim 16").split()
+    args = _parse(argv)
+    args.world_size, args.rank = 1, 0
+    with pytest.raises(ArgumentsError) as err:
+        validate_args(args)
+    text = " ".join(err.value.problems)
+    assert "'E'" in text and "--mamba-num-groups (3)" in text
+    ok = _parse([a.replace("M*E-", "M*M-") for a in argv if a not in ("--mamba-num-groups", "3")])
+    ok.world_size, ok.rank = 1, 0
+    validate_args(ok)
+    assert ok.hybrid_override_pattern == "M*M-"
+
+
+def test_bench_flops_formula_equals_the_trainers():
+    from benchmarks.gpu import mamba_bench
+    from megatron.training.arguments import _parse
+    from megatron.training.training_log import num_floating_point_operations
+
+    model = mamba_bench.MODEL_1B
+    args = _parse(mamba_bench.flags(model, 2, smoke=False))
+    args.padded_vocab_size = -(-model["vocab"] // 128) * 128
+    args.ffn_hidden_size = model["ffn"]
+    assert num_floating_point_operations(args, model["mbs"]) == pytest.approx(
+        mamba_bench.hybrid_flops(model, model["mbs"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_full_recompute_gives_the_same_gradients(method):
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        extra = dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=2) if recompute \
+            else {}
+        model = MambaModel(_config(**extra), mamba_stack_spec, vocab_size=64, max_sequence_length=16,
+                           hybrid_override_pattern="M*M-")
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+        model(ids, torch.arange(16)[None].expand(2, -1), None, labels=ids).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-6, atol=1e-7, msg=name)
