@@ -508,5 +508,6 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     if not _HAVE_TRITON:
         raise ValueError("ssd_chunk_scan (Triton): triton is not installed; use the reference implementation")
     _check(x, dt, A, B, C, chunk_size, D, z, initial_states)
+    A, dt_bias = A.contiguous(), dt_bias.contiguous() if dt_bias is not None else None  # read by head index
     y, final = _SSDChunkScan.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, dt_softplus)
     return (y, final) if return_final_states else y
