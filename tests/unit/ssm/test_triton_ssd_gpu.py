@@ -112,3 +112,29 @@ def test_causal_conv1d_against_the_tap_sum(dtype, activation, bias):
     if bias:
         pairs.append((b.grad, leaves[2].grad))
     assert all(_rel(a, r) <= tol for a, r in pairs), [_rel(a, r) for a, r in pairs]
+
+
+@pytest.mark.gpu
+def test_ssd_reads_strided_views_of_one_projection():
+    """x, B, C and dt as views into one [b, l, h*p + 2*g*n + h] tensor (MambaMixer's in_proj output)."""
+    b, seqlen, h, p, g, n = 2, 200, 4, 32, 2, 32
+    gen = torch.Generator().manual_seed(3)
+    proj = torch.randn(b, seqlen, h * p + 2 * g * n + h, generator=gen).cuda().requires_grad_()
+    A = (-torch.rand(h, generator=gen) * 4 - 0.5).cuda()
+    D = torch.randn(h, generator=gen).cuda()
+
+    def split(t):
+        x = t[..., :h * p].unflatten(-1, (h, p))  # [b, l, h, p] view
+        B = t[..., h * p:h * p + g * n].unflatten(-1, (g, n))  # [b, l, g, n] view
+        C = t[..., h * p + g * n:h * p + 2 * g * n].unflatten(-1, (g, n))
+        return x, t[..., -h:] - 1.0, B, C
+
+    gy = torch.randn(b, seqlen, h, p, generator=gen).cuda()
+    x, dt, B, C = split(proj)
+    y = ssd_chunk_scan(x, dt, A, B, C, 64, D=D)
+    (y * gy).sum().backward()
+    ref = proj.detach().double().requires_grad_()
+    x, dt, B, C = split(ref)
+    yr, _ = naive_ssd(x, dt, A.double(), B, C, D=D.double())
+    (yr * gy.double()).sum().backward()
+    assert _rel(y, yr) <= 1e-4 and _rel(proj.grad, ref.grad) <= 1e-4, (_rel(y, yr), _rel(proj.grad, ref.grad))

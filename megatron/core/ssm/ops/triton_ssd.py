@@ -58,7 +58,7 @@ if _HAVE_TRITON:
                     HAS_INIT: tl.constexpr, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                     PREC: tl.constexpr):
         """Walk the chunks of one (batch, head, [BP, BN] state tile): store the state entering each chunk
-        ([b, c, h, p, n] fp32), add the chunk's state, and store the final state ([b, h, p, n] fp32)."""
+        ([b, c, h, p, n], x's dtype), add the chunk's state, and store the final state ([b, h, p, n] fp32)."""
         bh = tl.program_id(0)
         b, h = bh // nheads, bh % nheads
         g = h // hpg
@@ -72,7 +72,8 @@ if _HAVE_TRITON:
             state = tl.zeros([BP, BN], dtype=tl.float32)
         q = tl.arange(0, Q)
         for c in range(nchunks):
-            tl.store(st_ptr + ((b * nchunks + c) * nheads + h).to(tl.int64) * P * N + pn, state, mask=pn_mask)
+            tl.store(st_ptr + ((b * nchunks + c) * nheads + h).to(tl.int64) * P * N + pn,
+                     state.to(st_ptr.dtype.element_ty), mask=pn_mask)
             t = c * Q + q
             tm = t < seqlen
             xv = tl.load(x_ptr + b * s_xb + t[:, None].to(tl.int64) * s_xl + h * s_xh + p[None, :] * s_xp,
@@ -161,9 +162,9 @@ if _HAVE_TRITON:
         for k in range(nchunks):
             c = nchunks - 1 - k
             sidx = ((b * nchunks + c) * nheads + h).to(tl.int64) * P * N + pn
-            tl.store(ds_ptr + sidx, run, mask=pn_mask)
+            tl.store(ds_ptr + sidx, run.to(ds_ptr.dtype.element_ty), mask=pn_mask)
             tl.store(dend_ptr + (bh.to(tl.int64) * nchunks + c) * ntiles + tile, tl.sum(tl.sum(run * nxt, 1), 0))
-            nxt = tl.load(st_ptr + sidx, mask=pn_mask, other=0.0)
+            nxt = tl.load(st_ptr + sidx, mask=pn_mask, other=0.0).to(tl.float32)
             t = c * Q + q
             tm = t < seqlen
             gv = tl.load(g_ptr + b * s_gb + t[:, None].to(tl.int64) * s_gl + h * s_gh + p[None, :] * s_gp,
@@ -364,9 +365,10 @@ def _chunk_cumsum(dt, A, dt_bias, dt_softplus, nchunks, chunk_size):
 
 
 def _states(x, B, delta, cs, initial_states, chunk_size):
-    """States entering each chunk [b, c, h, p, n] and the final state [b, h, p, n], fp32."""
+    """States entering each chunk [b, c, h, p, n] in x's dtype (the products that read them run in it) and the
+    final state [b, h, p, n] fp32."""
     b, seqlen, nheads, headdim, ngroups, dstate, nchunks, hpg, prec = _dims(x, B, chunk_size)
-    states = torch.empty(b, nchunks, nheads, headdim, dstate, device=x.device, dtype=torch.float32)
+    states = torch.empty(b, nchunks, nheads, headdim, dstate, device=x.device, dtype=x.dtype)
     final = torch.empty(b, nheads, headdim, dstate, device=x.device, dtype=torch.float32)
     bp, bn = min(_STATE_BLOCK, _pow2(headdim)), min(_STATE_BLOCK, _pow2(dstate))
     init = initial_states.contiguous() if initial_states is not None else final
@@ -398,10 +400,10 @@ def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_sta
 
 
 def _backward_states(g, C, cs, states, final, dfinal, chunk_size):
-    """(dS [b, c, h, p, n] fp32, d initial state [b, h, p, n] fp32, chunk-end d cs [b, h, c] fp32)."""
+    """(dS [b, c, h, p, n] in g's dtype, d initial state [b, h, p, n] fp32, chunk-end d cs [b, h, c] fp32)."""
     b, seqlen, nheads, headdim, ngroups, dstate, nchunks, hpg, prec = _dims(g, C, chunk_size)
     ds = torch.empty_like(states)
-    dinit = torch.empty_like(final)
+    dinit = torch.empty_like(final)  # fp32
     bp, bn = min(_STATE_BLOCK, _pow2(headdim)), min(_STATE_BLOCK, _pow2(dstate))
     grid = (b * nheads, triton.cdiv(headdim, bp), triton.cdiv(dstate, bn))
     dend = torch.empty(b, nheads, nchunks, grid[1] * grid[2], device=g.device, dtype=torch.float32)
@@ -506,5 +508,6 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     if not _HAVE_TRITON:
         raise ValueError("ssd_chunk_scan (Triton): triton is not installed; use the reference implementation")
     _check(x, dt, A, B, C, chunk_size, D, z, initial_states)
+    A, dt_bias = A.contiguous(), dt_bias.contiguous() if dt_bias is not None else None  # read by head index
     y, final = _SSDChunkScan.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, dt_softplus)
     return (y, final) if return_final_states else y
