@@ -4,12 +4,15 @@ Encoder layers: padding self-attention + MLP. Decoder layers: causal self-attent
 `pre_cross_attn_layernorm`, `CrossAttention` (`linear_q`, `linear_kv`, `linear_proj`; mask type
 `arbitrary`) and an MLP. The Transformer Engine specs fuse the input and pre-MLP norms into `linear_qkv`
 / `linear_fc1` (TE's keys; TE's modules when Transformer Engine imports, else the native modules in its
-layout); the local specs keep separate norms and rename them to TE's keys in distributed checkpoints.
+layout, whose encoder self-attention is `PaddingVarlenAttention`: FlashAttention's varlen kernel for padded
+batches on GPUs without a relative-position bias); the local specs keep separate norms and rename them to TE's keys in distributed checkpoints.
 """
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.bert.padding_attention import PaddingVarlenAttention
 from megatron.core.models.gpt.gpt_layer_specs import _dense_layer_spec, _transformer_engine_backend
 from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import TECompatibleDotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -18,6 +21,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 def _encoder_spec(backend) -> ModuleSpec:
     spec = _dense_layer_spec(backend, qk_layernorm=False, qk_l2_norm=False, normalization=None)
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.padding}
+    attention = spec.submodules.self_attention.submodules
+    if attention.core_attention is TECompatibleDotProductAttention:  # native TE layout: packed varlen on GPUs
+        attention.core_attention = PaddingVarlenAttention
     return spec
 
 
