@@ -49,5 +49,21 @@ def read_dist_checkpoint(iter_dir: str, desc_from_args) -> Tuple[Dict[str, Any],
         else:
             for index in range(value.shape[0]):
                 full[f"{_STACKED}{index}.{_local_name(rest)}"] = value[index].clone()
+    _unstack_experts(full)
     args = common["args"]
     return full, args, common.get("iteration"), desc_from_args(args)
+
+
+_STACKED_EXPERTS = ".mlp.experts.experts."
+
+
+def _unstack_experts(full: Dict[str, Any]) -> None:
+    """Megatron stores every expert layout's weights stacked over the experts (`mlp.experts.experts.linear_fc1.weight`
+    [E, 2f, h] once the layer axis is gone): split into SequentialMLP keys `mlp.experts.local_experts.<e>.*`."""
+    for key in [k for k in full if _STACKED_EXPERTS in k]:
+        value = full.pop(key)
+        if key.endswith("._extra_state") or not hasattr(value, "shape"):
+            continue
+        head, name = key.split(_STACKED_EXPERTS)
+        for expert in range(value.shape[0]):
+            full[f"{head}.mlp.experts.local_experts.{expert}.{name}"] = value[expert].clone()

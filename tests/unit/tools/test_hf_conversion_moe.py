@@ -3,7 +3,8 @@ test (Qwen3-MoE with a dense layer through `mlp_only_layers` and without `norm_t
 `--moe-router-pre-softmax`) are saved with `save_pretrained`, imported by `hf_convert.py hf-to-megatron`, run in a
 GPTModel built from the imported args (logits equal transformers' <= 1e-4 relative, fp32), exported back by
 `megatron-to-hf` and loaded by transformers again (same logits; same tensors as the original HF model).
-The import at TP=2 reads back (legacy reader, expert TP = TP) to the same full state dict."""
+The import at TP=2 reads back (legacy reader, expert TP = TP) to the same full state dict; a Mixtral-shaped
+model trained and saved here in torch_dist (experts stacked, as Megatron stores them) exports with its logits."""
 import json
 import os
 
@@ -110,3 +111,44 @@ def test_moe_hf_import_and_export_keep_transformers_logits(tmp_path, build, arch
     with torch.no_grad():
         again = exported(input_ids=tokens).logits
     assert _rel(again, reference) <= 1e-4 and _rel(again, ours) <= 1e-4
+
+
+MIXTRAL_FLAGS = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--seq-length 16 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 2 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 4095 --log-interval 1 --eval-iters 0 --hidden-dropout 0 "
+    "--attention-dropout 0 --seed 9 --lr 1e-3 --train-iters 1 --transformer-impl local --disable-bias-linear "
+    "--swiglu --normalization RMSNorm --position-embedding-type rope --rotary-base 1000000 "
+    "--untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2 --ffn-hidden-size 24 "
+    "--ckpt-format torch_dist --save-interval 1"
+).split()
+
+
+def _train_and_save(save_dir, tokens):
+    from megatron.training.utils import unwrap_model
+    from tests.compat import megatron_fixtures as mf
+    from tests.functional.cli import reset_training_state
+
+    code, _, _, built = mf.run([*MIXTRAL_FLAGS, "--save", save_dir])
+    assert code is None
+    model = unwrap_model(built["model"])[0].eval()
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens), None)
+    reset_training_state()
+    return logits
+
+
+def test_torch_dist_moe_checkpoint_exports_to_mixtral(tmp_path):
+    """A Mixtral-shaped model trained and saved here in torch_dist (experts stacked as Megatron stores them)
+    exports to an HF Mixtral with the same logits."""
+    from tests.harness import run_on_ranks
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    tokens = torch.randint(0, 4000, (2, 16), generator=torch.Generator().manual_seed(2))
+    ours = run_on_ranks(_train_and_save, 1, str(tmp_path / "dist"), tokens)[0]
+    hf_convert.main(["megatron-to-hf", "--load-dir", str(tmp_path / "dist"), "--save-dir", str(tmp_path / "hf")])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert type(hf_model).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        theirs = hf_model.float().eval()(input_ids=tokens).logits
+    assert _rel(theirs[..., :ours.shape[-1]], ours) <= 1e-4
