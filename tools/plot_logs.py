@@ -34,7 +34,7 @@ ALIASES = {"lr": "learning rate", "val": "validation loss", "mem": "memory", "ti
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|")
 _FIELD = re.compile(r"\s*([^|:]+?):\s*([-+0-9.eEinfa]+)\s*(?=\|)")
-_VALIDATION_ITER = re.compile(r"validation loss at iteration\s+(\d+)")
+_VALIDATION_ITER = re.compile(r"validation loss at iteration\s+(\d+)\s*\|")
 _MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\)(.*)")
 
 

@@ -225,3 +225,27 @@ def yaml_cfg_path(argv: Sequence[str]) -> Optional[str]:
         elif item.startswith("--yaml-cfg="):
             path = item.split("=", 1)[1]
     return path
+
+
+def load_yaml(yaml_path: str, extra_args_provider=None):
+    """Megatron-LM's `load_yaml(yaml_path)`: the arguments of a YAML config (with `args.yaml_cfg`, `args.rank`
+    and `args.world_size` set). Unlike Megatron's nested namespace, the result is the flat argument namespace
+    every other entry point uses (`args.num_layers`, not `args.language_model.num_layers`)."""
+    from megatron.training.arguments import _parse, set_rank_and_world_size
+
+    return set_rank_and_world_size(_parse(["--yaml-cfg", yaml_path], extra_args_provider))
+
+
+def validate_yaml(args, defaults=None):
+    """Megatron-LM's `validate_yaml(args, defaults={})`: the same checks and derivations as `validate_args`."""
+    from megatron.training.arguments import validate_args
+
+    return validate_args(args, defaults or {})
+
+
+def core_transformer_config_from_yaml(args, transfomer_key: str = "language_model"):
+    """Megatron-LM's `core_transformer_config_from_yaml(args, transfomer_key)` (its spelling): the
+    `TransformerConfig` of YAML-loaded args, built by the one args -> config translation."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    return core_transformer_config_from_args(args)

@@ -201,7 +201,8 @@ def _validate_data(args) -> List[str]:
 
 
 def _sft_problems(args) -> List[str]:
-    """--sft: Megatron's SFT dataset needs the SFT tokenizer, real JSONL data and one conversation per sample."""
+    """--sft: Megatron's SFT dataset needs the SFT tokenizer and real JSONL data; position resets only with
+    --reset-attention-mask (which packs conversations)."""
     if not args.sft:
         return []
     problems = []
@@ -211,10 +212,9 @@ def _sft_problems(args) -> List[str]:
                         "--tokenizer-model <HF tokenizer dir>.")
     if args.mock_data:
         problems.append("--sft reads JSONL conversations: replace --mock-data with --data-path <file.jsonl>.")
-    for name in ("reset_position_ids", "reset_attention_mask"):
-        if getattr(args, name):
-            problems.append(f"--sft does not support --{name.replace('_', '-')}: each sample is one conversation; "
-                            "remove the flag.")
+    if args.reset_position_ids and not args.reset_attention_mask:
+        problems.append("--sft with --reset-position-ids needs --reset-attention-mask (packed conversations): add "
+                        "--reset-attention-mask or remove --reset-position-ids.")
     return problems
 
 

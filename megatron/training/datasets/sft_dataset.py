@@ -12,6 +12,12 @@ Sample construction with S = `--seq-length` (Megatron's `SFTDataset.__getitem__`
 4. `loss_mask` is 1 except where the label is `pad` or -100; `position_ids = arange(S)`.
 So the loss covers exactly the assistant answers and the closing eod. With `--create-attention-mask-in-
 dataloader` (the default) a causal mask is added (Megatron's branch there is broken; it needs the flag off).
+
+Packed conversations (this framework; Megatron rejects the combination): with `--reset-attention-mask`
+consecutive conversations (each with its eod, each truncated to S) are packed greedily into samples of S + 1
+tokens, and attention (and with `--reset-position-ids` the positions) restart after every eod, through the
+same document masking as pretraining. The packing plan is built once per dataset (every conversation is
+tokenized); sample `idx` is pack `idx % number of packs`.
 """
 import json
 from typing import Dict, List, Optional
@@ -60,12 +66,13 @@ class SFTDataset(MegatronDataset):
     def __init__(self, dataset: SFTLowLevelDataset, dataset_path: Optional[str], indices: numpy.ndarray,
                  num_samples: Optional[int], index_split: Split, config: GPTDatasetConfig) -> None:
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
-        if config.reset_position_ids or config.reset_attention_mask:
-            raise ValueError("--sft does not support --reset-position-ids / --reset-attention-mask: each sample "
-                             "is one conversation; remove those flags")
+        if config.reset_position_ids and not config.reset_attention_mask:
+            raise ValueError("--sft with --reset-position-ids needs --reset-attention-mask too (it packs "
+                             "conversations): add --reset-attention-mask or remove --reset-position-ids")
         if len(indices) == 0 and (num_samples or 0) > 0:
             raise ValueError(f"{dataset_path}: the {index_split.name} split has no conversations: change --split "
                              "or add conversations")
+        self.packs = self._plan_packs() if config.reset_attention_mask and len(indices) else None
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: SFTLowLevelDataset) -> int:
@@ -77,23 +84,51 @@ class SFTDataset(MegatronDataset):
         """Read the JSONL file `dataset_path`."""
         return SFTLowLevelDataset(dataset_path)
 
+    def _conversation(self, position: int):
+        """(tokens, target) of `indices[position]`, truncated to S - 1, each followed by eod."""
+        tokenizer = self.config.tokenizer
+        conversation = self.dataset[int(self.indices[position])]
+        tokens, target = tokenizer.tokenize_conversation(conversation, return_target=True,
+                                                         add_generation_prompt=False)
+        limit = self.config.sequence_length - 1
+        return (numpy.append(tokens[:limit], tokenizer.eod).astype(numpy.int64),
+                numpy.append(target[:limit], tokenizer.eod).astype(numpy.int64))
+
+    def _plan_packs(self) -> List[List[int]]:
+        """Greedy packing of consecutive conversations into S + 1 token bins (lists of index positions)."""
+        capacity = self.config.sequence_length + 1
+        packs, current, used = [], [], 0
+        for position in range(len(self.indices)):
+            length = len(self._conversation(position)[0])
+            if current and used + length > capacity:
+                packs.append(current)
+                current, used = [], 0
+            current.append(position)
+            used += length
+        packs.append(current)
+        return packs
+
     def __len__(self) -> int:
         if len(self.indices) == 0:
             return 0
         return self.num_samples if self.num_samples is not None else len(self.indices)
 
     def __getitem__(self, idx: Optional[int]) -> Dict[str, torch.Tensor]:
-        """The sample dict of conversation `indices[idx % len(indices)]`; idx None: a fully masked sample."""
+        """The sample dict of conversation `indices[idx % len(indices)]` (or of pack `idx % packs` with
+        --reset-attention-mask); idx None: a fully masked sample."""
         tokenizer = self.config.tokenizer
         seq_length = self.config.sequence_length
-        conversation = self.dataset[int(self.indices[(0 if idx is None else idx) % len(self.indices)])]
-        tokens, target = tokenizer.tokenize_conversation(conversation, return_target=True,
-                                                         add_generation_prompt=False)
-        tokens, target = tokens[: seq_length - 1], target[: seq_length - 1]
+        position = 0 if idx is None else idx
+        if self.packs is not None:
+            pieces = [self._conversation(p) for p in self.packs[position % len(self.packs)]]
+        else:
+            pieces = [self._conversation(position % len(self.indices))]
+        tokens = numpy.concatenate([piece[0] for piece in pieces])
+        target = numpy.concatenate([piece[1] for piece in pieces])
         pad = tokenizer.pad
-        padding = seq_length + 1 - (len(tokens) + 1)
-        full_tokens = numpy.concatenate([tokens, [tokenizer.eod], [pad] * padding]).astype(numpy.int64)
-        full_target = numpy.concatenate([target, [tokenizer.eod], [pad] * padding]).astype(numpy.int64)
+        padding = [pad] * (seq_length + 1 - len(tokens))
+        full_tokens = numpy.concatenate([tokens, padding]).astype(numpy.int64)
+        full_target = numpy.concatenate([target, padding]).astype(numpy.int64)
         tokens_t = torch.from_numpy(full_tokens[:-1].copy())  # [S]
         labels_t = torch.from_numpy(full_target[1:].copy())  # [S]
         loss_mask = torch.ones(seq_length, dtype=torch.float)
@@ -101,10 +136,12 @@ class SFTDataset(MegatronDataset):
         if idx is None:
             loss_mask.zero_()
         sample = {"tokens": tokens_t, "labels": labels_t}
+        reset = bool(self.config.reset_attention_mask)
+        attention_mask, _, position_ids = _get_ltor_masks_and_position_ids(
+            tokens_t, tokenizer.eod, bool(self.config.reset_position_ids), reset, False,
+            bool(self.config.create_attention_mask))
         if self.config.create_attention_mask:
-            attention_mask, _, _ = _get_ltor_masks_and_position_ids(
-                tokens_t, tokenizer.eod, False, False, False, True)
             sample["attention_mask"] = attention_mask
         sample["loss_mask"] = loss_mask
-        sample["position_ids"] = torch.arange(seq_length, dtype=torch.long)
+        sample["position_ids"] = position_ids
         return sample

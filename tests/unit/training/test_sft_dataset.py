@@ -28,11 +28,11 @@ class _TurnTokenizer:
         return numpy.array(tokens), numpy.array(target)
 
 
-def _dataset(tmp_path, seq_length, conversations, create_attention_mask=False, num_samples=None):
+def _dataset(tmp_path, seq_length, conversations, create_attention_mask=False, num_samples=None, pack=False):
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
     config = GPTDatasetConfig(random_seed=1, sequence_length=seq_length, blend=([str(path)], None), split="100,0,0",
-                              tokenizer=_TurnTokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              tokenizer=_TurnTokenizer(), reset_position_ids=pack, reset_attention_mask=pack,
                               eod_mask_loss=False, create_attention_mask=create_attention_mask)
     low = SFTDataset.build_low_level_dataset(str(path), config)
     indices = numpy.arange(len(low), dtype=numpy.int32)
@@ -63,6 +63,23 @@ def test_truncation_wraparound_and_causal_mask(tmp_path):
     mask = sample["attention_mask"]
     assert mask.shape == (1, 6, 6) and torch.equal(mask[0], torch.triu(torch.ones(6, 6, dtype=torch.bool), 1))
     assert dataset[None]["loss_mask"].sum() == 0
+
+
+def test_packed_conversations(tmp_path):
+    # Conversations of 6 (5 + eod) and 11 (10 + eod) tokens into S + 1 = 13 token packs: [6, 6] then [11], [6].
+    dataset = _dataset(tmp_path, 12, [CONV, CONV, CONV + CONV, CONV], pack=True)
+    assert dataset.packs == [[0, 1], [2], [3]]
+    first = dataset[0]
+    assert first["tokens"].tolist() == [11, 12, 13, 21, 22, EOD] * 2
+    assert first["labels"].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 21, 22, EOD, IGNORE_INDEX] + \
+        [IGNORE_INDEX, IGNORE_INDEX, 21, 22, EOD, PAD]
+    assert first["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0]
+    assert first["position_ids"].tolist() == list(range(6)) * 2
+    assert "attention_mask" not in first
+    second = dataset[1]
+    assert second["tokens"].tolist() == [11, 12, 13, 21, 22, 11, 12, 13, 21, 22, EOD, PAD]
+    assert second["loss_mask"].tolist() == [0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0]
+    assert dataset[4]["tokens"].tolist() == dataset[1]["tokens"].tolist()  # pack 4 % 3
 
 
 def test_bad_jsonl_lines_name_the_line(tmp_path):

@@ -133,3 +133,14 @@ def test_missing_file_is_a_validation_error(tmp_path):
     with pytest.raises(ArgumentsError, match="cannot read the file"):
         _validated(["--yaml-cfg", str(tmp_path / "nope.yaml")] + "--num-layers 2 --hidden-size 8 "
                    "--num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 --micro-batch-size 1".split())
+
+
+def test_megatron_yaml_api(yaml_file, monkeypatch):
+    from megatron.training.yaml_arguments import core_transformer_config_from_yaml, load_yaml, validate_yaml
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = validate_yaml(load_yaml(str(yaml_file)))
+    assert (args.yaml_cfg, args.num_layers, args.norm_epsilon, args.rank) == (str(yaml_file), 3, 1e-6, 1)
+    config = core_transformer_config_from_yaml(args, "language_model")
+    assert config.num_query_groups == 2 and config.gated_linear_unit
