@@ -171,6 +171,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--hbm-gbps", type=float, default=4800.0)
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--no-compiled-layers", action="store_true",
+                        help="skip the --compile-layers on variant (its compilation takes minutes)")
     parser.add_argument("--compile-step", action="store_true", help="also time graphs of the torch.compile'd step")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script runs")
     args = parser.parse_args()
@@ -272,7 +274,7 @@ def run(args):
          lambda: _dynamic_throughput(dynamic_engine(ours, False), prompts, greedy))
     _summary(out, bound_ms)
     compiled = None
-    if DEVICE == "cuda":  # the same weights with --compile-layers on: compiled layers inside the graphs
+    if DEVICE == "cuda" and not args.no_compiled_layers:  # the same weights with --compile-layers on: compiled layers inside the graphs
         compiled = build_ours("on")
         compiled.load_state_dict(ours.state_dict(), strict=False)
         _try(out, "batch1_decode_ms_graphed_compiled_layers", lambda: _decode_check(
