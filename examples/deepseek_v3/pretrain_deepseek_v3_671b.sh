@@ -24,6 +24,7 @@ MOE_ARGS=(--num-experts 256 --moe-layer-freq "([0]*3+[1]*58)" --moe-ffn-hidden-s
           --moe-aux-loss-coeff 1e-4 --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32
           --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-permute-fusion)
 PARALLEL_ARGS=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 16 --expert-model-parallel-size 64
+               --expert-tensor-parallel-size 1
                --sequence-parallel --decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 2
                --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
 TRAINING_ARGS=(--micro-batch-size 1 --global-batch-size 8192 --train-iters 500000 --lr 2.2e-4 --min-lr 2.2e-5

@@ -122,6 +122,11 @@ def test_derived_values_and_args_defaults(capsys):
      "--use-distributed-optimizer", 2,
      ["--ckpt-format torch_dcp with --save cannot store this run: --tensor-model-parallel-size is 2",
       "cannot store this run: --use-distributed-optimizer: its optimizer state lives outside"]),
+    ("--multi-latent-attention --rotary-interleaved --group-query-attention --num-query-groups 2 "
+     "--qk-pos-emb-head-dim 5 --mtp-num-layers 1 --position-embedding-type learned_absolute", 1,
+     ["--rotary-interleaved cannot be combined with --multi-latent-attention",
+      "--group-query-attention cannot be combined with --multi-latent-attention",
+      "--qk-pos-emb-head-dim (5) must be even", "--mtp-num-layers needs --position-embedding-type rope or none"]),
     ("--batch-size 4 --warmup 10 --retro-project-dir x --yaml-cfg x.yaml --ddp-num-buckets 2 --ddp-bucket-size 10", 2,
      ["--batch-size (4) was removed from Megatron-LM; use --micro-batch-size", "--warmup (10) was removed",
       "--retro-project-dir (x) is a Megatron-LM flag this framework does not implement yet",
