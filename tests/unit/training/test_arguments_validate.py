@@ -29,7 +29,7 @@ def _problems(extra="", world_size=1, defaults=None):
 
 def test_multi_problem_command_line_raises_once_listing_everything():
     args = _parse(BASE + "--num-attention-heads 12 --tensor-model-parallel-size 8 --kv-channels 8 --save /tmp/ck "
-                  "--num-layer 3 --moe-use-upcycling --use-custom-fsdp --ckpt-format zarr".split())
+                  "--num-layer 3 --retro-add-retriever --use-custom-fsdp --ckpt-format zarr".split())
     args.world_size, args.rank = 8, 1
     with pytest.raises(ArgumentsError) as err:
         validate_args(args)
@@ -40,7 +40,7 @@ def test_multi_problem_command_line_raises_once_listing_everything():
         "divides 12.",
         "--save (/tmp/ck) needs --save-interval",
         "unrecognized argument --num-layer 3: did you mean --num-layers?",
-        "--moe-use-upcycling is a Megatron-LM flag this framework does not implement yet",
+        "--retro-add-retriever is a Megatron-LM flag this framework does not implement yet",
         "--use-custom-fsdp is a Megatron-LM flag this framework does not implement yet: Megatron FSDP is not "
         "implemented; use --use-torch-fsdp2 instead.",
         "--ckpt-format zarr:",
