@@ -203,6 +203,21 @@ def _static_throughput(model, prompts, greedy):
     return sum(len(r.generated_tokens) for r in results) / seconds
 
 
+@torch.no_grad()
+def _teacher_forced(hf, ours, ids):
+    """Both models on the same tokens (HF's greedy continuation): argmax agreement per position, the largest
+    logit difference, and HF's top-1 / top-2 gap where they disagree (bf16 near-ties explain a greedy split)."""
+    n = ids.size(1)
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=ids.device), diagonal=1).view(1, 1, n, n)  # [s, s] -> [1, 1, s, s]
+    theirs = hf(ids).logits.float()[0]
+    mine = ours(ids, torch.arange(n, device=ids.device).unsqueeze(0), mask)[0].float()  # [n] -> [1, n]
+    agree = theirs.argmax(-1) == mine.argmax(-1)
+    top2 = theirs.topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1])[~agree]
+    return {"argmax_agree": float(agree.float().mean()), "max_abs_logit_diff": float((theirs - mine).abs().max()),
+            "hf_top2_gap_where_disagree_max": float(gaps.max()) if gaps.numel() else 0.0}
+
+
 def _hf_throughput(hf, prompts, args):
     batch = torch.tensor(prompts).to(DEVICE)
     with torch.no_grad():
@@ -258,6 +273,7 @@ def run(args):
             ref = hf.generate(torch.tensor([prompts[0]]).to(DEVICE), max_new_tokens=16, do_sample=False)
         out["greedy_first16_match_hf"] = int(sum(a == b for a, b in zip(eager_tokens[:16],
                                                                          ref[0, args.prompt_len:].tolist())))
+        _try(out, "teacher_forced_vs_hf", lambda: _teacher_forced(hf, ours, ref))
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     weight_bytes -= ours.embedding.word_embeddings.weight.numel() * ours.embedding.word_embeddings.weight.element_size()
     kv_bytes = 2 * SHAPE["layers"] * SHAPE["groups"] * (SHAPE["hidden"] // SHAPE["heads"]) * DTYPE.itemsize * \
