@@ -140,6 +140,18 @@ def _sweep(ours, ops, dy, chunk, iters):
     return found
 
 
+def _profile(ours):
+    """Milliseconds per CUDA kernel of one fwd+bwd (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    ours()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    return {name[:60]: round(ms, 3) for name, ms in sorted(rows, key=lambda r: -r[1])[:12]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mamba-ssm-src", default=None, help="unpacked mamba-ssm sdist directory")
@@ -147,6 +159,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shape, a few iterations")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time each kernel's (num_warps, num_stages) options first")
+    ap.add_argument("--profile", action="store_true", help="also report the time of each kernel of one fwd+bwd")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -164,6 +177,8 @@ def main():
     if args.sweep and cuda:
         result["sweep"] = _sweep(ours, ops, dy, chunk, 5)
     result["ours_fwd_bwd_ms"] = _time(ours, iters, warmup)
+    if args.profile and cuda:
+        result["ours_kernels_ms"] = _profile(ours)
     fwd = lambda: ssd_chunk_scan(ops["x"], ops["dt"], ops["A"], ops["B"], ops["C"], chunk, D=ops["D"],  # noqa: E731
                                  dt_bias=ops["dt_bias"], dt_softplus=True)
     with torch.no_grad():

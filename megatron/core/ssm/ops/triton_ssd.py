@@ -179,12 +179,12 @@ if _HAVE_TRITON:
         tl.store(dinit_ptr + bh.to(tl.int64) * P * N + pn, run, mask=pn_mask)
 
     @triton.jit
-    def _dx_db_bwd(x_ptr, b_ptr, c_ptr, g_ptr, dt_ptr, cs_ptr, ds_ptr, d_ptr, dx_ptr, db_ptr, ddt_ptr, bdb_ptr,
-                   dd_ptr, seqlen, nheads, nchunks, hpg, s_xb, s_xl, s_xh, s_xp, s_bb, s_bl, s_bg, s_bn,
+    def _dx_db_bwd(x_ptr, b_ptr, c_ptr, g_ptr, dt_ptr, cs_ptr, ds_ptr, d_ptr, dx_ptr, db_ptr, ddt_ptr, dd_ptr,
+                   seqlen, nheads, nchunks, hpg, s_xb, s_xl, s_xh, s_xp, s_bb, s_bl, s_bg, s_bn,
                    s_cb, s_cl, s_cg, s_cn, s_gb, s_gl, s_gh, s_gp, P: tl.constexpr, N: tl.constexpr,
                    HAS_D: tl.constexpr, Q: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                    BN: tl.constexpr, PREC: tl.constexpr):
-        """For BK rows j of one chunk and one group: per head dx_j, dΔ_j (direct part), B_j.dB_j and dD;
+        """For BK rows j of one chunk and one group: per head dx_j, dΔ_j (direct part) and dD;
         dB_j summed over the group's heads. Terms: the chunk state (through dS_c) and the rows i >= j."""
         k0 = tl.program_id(0) * BK
         bc, g = tl.program_id(1), tl.program_id(2)
@@ -233,7 +233,6 @@ if _HAVE_TRITON:
             tl.store(dx_ptr + (b * seqlen + jo) * nheads * P + h * P + p[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=xm)
             tl.store(ddt_ptr + row + k0 + tl.arange(0, BK), ddt)
-            tl.store(bdb_ptr + row + k0 + tl.arange(0, BK), tl.sum(bv.to(tl.float32) * dbh, 1))
             db += dbh
         tl.store(db_ptr + ((b * seqlen + jo) * tl.num_programs(2) + g) * N + n[None, :], db,
                  mask=jm[:, None] & (n[None, :] < N))
@@ -263,6 +262,7 @@ if _HAVE_TRITON:
             st = tl.load(st_ptr + ((b * nchunks + c) * nheads + h).to(tl.int64) * P * N + p[:, None] * N
                          + n[None, :], mask=(p[:, None] < P) & (n[None, :] < N), other=0.0)
             dch = tl.dot(gv, st.to(cv.dtype), input_precision=PREC) * tl.exp(cs_i)[:, None]  # [BM, BN]
+            cdc = tl.sum(cv.to(tl.float32) * dch, 1)  # C.dC: the entering-state term, then each L_ij in fp32
             for j0 in range(0, m0 + BM, BK):
                 j = c * Q + j0 + tl.arange(0, BK)
                 jm = j < seqlen
@@ -275,16 +275,19 @@ if _HAVE_TRITON:
                 dt_j = tl.load(dt_ptr + row + j0 + tl.arange(0, BK))
                 gx = tl.dot(gv, tl.trans(xv), input_precision=PREC)  # [BM, BK]
                 decay = tl.exp(tl.where(i[:, None] >= j[None, :], cs_i[:, None] - cs_j[None, :], float("-inf")))
-                dch += tl.dot((gx * decay * dt_j[None, :]).to(bv.dtype), bv, input_precision=PREC)
-            tl.store(cdc_ptr + row + m0 + tl.arange(0, BM), tl.sum(cv.to(tl.float32) * dch, 1))
+                lij = gx * decay * dt_j[None, :]
+                dch += tl.dot(lij.to(bv.dtype), bv, input_precision=PREC)
+                cdc += tl.sum(lij * tl.dot(cv, tl.trans(bv), input_precision=PREC), 1)
+            tl.store(cdc_ptr + row + m0 + tl.arange(0, BM), cdc)
             dc += dch
         tl.store(dc_ptr + ((b * seqlen + io) * tl.num_programs(2) + g) * N + n[None, :], dc, mask=cm)
 
     @triton.jit
-    def _cumsum_bwd(dt_ptr, bias_ptr, a_ptr, dtv_ptr, cdc_ptr, bdb_ptr, ddtd_ptr, dend_ptr, ddt_ptr, da_ptr,
+    def _cumsum_bwd(dt_ptr, bias_ptr, a_ptr, dtv_ptr, cdc_ptr, ddtd_ptr, dend_ptr, ddt_ptr, da_ptr,
                     dbias_ptr, seqlen, nheads, s_db, s_dl, s_dh, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                     Q: tl.constexpr):
-        """One (batch, head, chunk): d cs = C.dC - B.dB (+ the chunk-end term); dΔA = its reverse cumsum;
+        """One (batch, head, chunk): d cs = C.dC - B.dB (+ the chunk-end term), B.dB being Δ times the direct
+        dΔ; dΔA = its reverse cumsum;
         dΔ = direct + dΔA A, through softplus to d dt; partial sums of dA and d dt_bias."""
         b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         nchunks = tl.num_programs(2)
@@ -292,12 +295,13 @@ if _HAVE_TRITON:
         t = c * Q + q
         valid = t < seqlen
         row = ((b * nheads + h).to(tl.int64) * nchunks + c) * Q
-        dcs = tl.load(cdc_ptr + row + q) - tl.load(bdb_ptr + row + q)
+        dtv = tl.load(dtv_ptr + row + q)
+        ddt = tl.load(ddtd_ptr + row + q)
+        dcs = tl.load(cdc_ptr + row + q) - dtv * ddt
         dcs += tl.where(q == Q - 1, tl.load(dend_ptr + (b * nheads + h) * nchunks + c), 0.0)
         dda = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs
         a = tl.load(a_ptr + h).to(tl.float32)
-        dtv = tl.load(dtv_ptr + row + q)
-        ddt = tl.load(ddtd_ptr + row + q) + dda * a
+        ddt += dda * a
         pid = (b * nheads + h) * nchunks + c
         tl.store(da_ptr + pid, tl.sum(dda * dtv, 0))
         if SOFTPLUS:
@@ -416,20 +420,19 @@ def _backward_states(g, C, cs, states, final, dfinal, chunk_size):
 
 
 def _backward_inputs(x, B, C, g, delta, cs, states, ds, D, chunk_size):
-    """(dx, dB fp32, dC fp32, direct dΔ, B.dB and C.dC per head [b, h, L] fp32, dD partials or None)."""
+    """(dx, dB fp32, dC fp32, direct dΔ and C.dC per head [b, h, L] fp32, dD partials or None)."""
     b, seqlen, nheads, headdim, ngroups, dstate, nchunks, hpg, prec = _dims(x, B, chunk_size)
     bm, bk = min(_BLOCK_M, chunk_size), min(_BLOCK_K, chunk_size)
     bp, bn = _pow2(headdim), _pow2(dstate)
     dx = torch.empty(b, seqlen, nheads, headdim, device=x.device, dtype=x.dtype)
     db = torch.empty(b, seqlen, ngroups, dstate, device=x.device, dtype=torch.float32)
     dc = torch.empty_like(db)
-    ddt_direct, bdb, cdc = torch.empty_like(cs), torch.empty_like(cs), torch.empty_like(cs)
+    ddt_direct, cdc = torch.empty_like(cs), torch.empty_like(cs)
     nkb = triton.cdiv(chunk_size, bk)
     dd = torch.empty(b * nchunks * nkb, nheads, headdim, device=x.device, dtype=torch.float32) \
         if D is not None else None
     _dx_db_bwd[(nkb, b * nchunks, ngroups)](
-        x, B, C, g, delta, cs, ds, D if D is not None else cs, dx, db, ddt_direct, bdb,
-        dd if dd is not None else cs, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(), *C.stride(),
+        x, B, C, g, delta, cs, ds, D if D is not None else cs, dx, db, ddt_direct, dd if dd is not None else cs, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(), *C.stride(),
         *g.stride(), P=headdim, N=dstate, HAS_D=D is not None, Q=chunk_size, BM=bm, BK=bk, BP=bp, BN=bn,
         PREC=prec,
         **_launch("dx_db"))
@@ -437,10 +440,10 @@ def _backward_inputs(x, B, C, g, delta, cs, states, ds, D, chunk_size):
         x, B, C, g, delta, cs, states, dc, cdc, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(),
         *C.stride(), *g.stride(), P=headdim, N=dstate, Q=chunk_size, BM=bm, BK=bk, BP=bp, BN=bn, PREC=prec,
         **_launch("dc"))
-    return dx, db, dc, ddt_direct, bdb, cdc, dd
+    return dx, db, dc, ddt_direct, cdc, dd
 
 
-def _backward_dt(dt, A, dt_bias, dt_softplus, delta, cdc, bdb, ddt_direct, dend, chunk_size):
+def _backward_dt(dt, A, dt_bias, dt_softplus, delta, cdc, ddt_direct, dend, chunk_size):
     """(d dt [b, l, h] in dt's dtype, dA [h] fp32, d dt_bias [h] fp32 or None)."""
     b, seqlen, nheads = dt.shape
     nchunks = dend.shape[-1]
@@ -448,7 +451,7 @@ def _backward_dt(dt, A, dt_bias, dt_softplus, delta, cdc, bdb, ddt_direct, dend,
     da = torch.empty(b, nheads, nchunks, device=dt.device, dtype=torch.float32)
     dbias = torch.empty_like(da)
     bias = dt_bias if dt_bias is not None else A
-    _cumsum_bwd[(b, nheads, nchunks)](dt, bias, A, delta, cdc, bdb, ddt_direct, dend.contiguous(), ddt, da,
+    _cumsum_bwd[(b, nheads, nchunks)](dt, bias, A, delta, cdc, ddt_direct, dend.contiguous(), ddt, da,
                                       dbias, seqlen, nheads, *dt.stride(), HAS_BIAS=dt_bias is not None,
                                       SOFTPLUS=dt_softplus, Q=chunk_size)
     return ddt, da.sum((0, 2)), dbias.sum((0, 2)) if dt_bias is not None else None
@@ -487,8 +490,8 @@ class _SSDChunkScan(torch.autograd.Function):
         d_full = None
         if D is not None:
             d_full = (D[:, None].expand(-1, x.shape[-1]) if D.dim() == 1 else D).float().contiguous()  # [h, p]
-        dx, db, dc, ddt_direct, bdb, cdc, dd = _backward_inputs(x, B, C, g, delta, cs, states, ds, d_full, q)
-        ddt, da, dbias = _backward_dt(dt, A, dt_bias, ctx.dt_softplus, delta, cdc, bdb, ddt_direct, dend, q)
+        dx, db, dc, ddt_direct, cdc, dd = _backward_inputs(x, B, C, g, delta, cs, states, ds, d_full, q)
+        ddt, da, dbias = _backward_dt(dt, A, dt_bias, ctx.dt_softplus, delta, cdc, ddt_direct, dend, q)
         dD = None
         if D is not None:
             dD = dd.sum(0)  # [h, p]
