@@ -20,7 +20,14 @@ def _accumulate_eval_losses(loss_dicts, total_loss_dict, device):
         if key not in total_loss_dict:
             total_loss_dict[key] = torch.zeros(2, dtype=torch.float, device=device)
         values = [x[key].view(-1) for x in loss_dicts]  # [2] or [1] each
-        if values[0].numel() == 2:
+        if values[0].numel() == 2 and getattr(get_args(), "sft", False):
+            # Megatron's SFT reporting: the mean of per-microbatch means (over microbatches and DP x CP).
+            pairs = torch.vstack(values).float()  # microbatches x [2] -> [m, 2]
+            per_microbatch = pairs[:, 0] / pairs[:, 1]
+            summed = torch.stack([per_microbatch.sum(), torch.tensor(float(len(values)), device=pairs.device)])
+            torch.distributed.all_reduce(summed, group=mpu.get_data_parallel_group(with_context_parallel=True))
+            total_loss_dict[key] += summed
+        elif values[0].numel() == 2:
             summed = torch.vstack(values).sum(dim=0).float()  # microbatches x [2] -> [2]
             torch.distributed.all_reduce(summed, group=mpu.get_data_parallel_group(with_context_parallel=True))
             total_loss_dict[key] += summed

@@ -6,10 +6,11 @@ Every subprocess runs in its own session under a hard timeout; on a timeout or a
 group (agents and their workers) is killed, so a stuck rendezvous fails the test instead of hanging CI.
 """
 import math
-import re
 import os
+import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -27,7 +28,13 @@ OWN_TESTS = {"bert": "tests/functional/test_examples_bert_t5.py", "t5": "tests/f
 EXAMPLE_TIMEOUT_S = 420
 
 
+def _with_interpreter_on_path(env: Dict[str, str]) -> Dict[str, str]:
+    """The scripts call `torchrun` and `python`: make them this interpreter's, even without an activated venv."""
+    return dict(env, PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+
+
 def _start(cmd: List[str], env: Dict[str, str]) -> subprocess.Popen:
+    env = _with_interpreter_on_path(env)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

