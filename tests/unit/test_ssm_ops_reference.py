@@ -97,3 +97,17 @@ def test_impl_choice_is_explicit():
     assert ops.resolve_impl("auto", x, "triton_ssd") is reference  # CPU tensor
     with pytest.raises(ValueError, match="impl"):
         ops.resolve_impl("cuda", x, "triton_ssd")
+
+
+def test_kernel_module_without_triton_counts_as_unavailable(monkeypatch):
+    import pytest
+
+    from megatron.core.ssm import ops
+    from megatron.core.ssm.ops import triton_ssd
+
+    monkeypatch.setattr(triton_ssd, "_HAVE_TRITON", False)
+    monkeypatch.setattr(ops, "_TRITON_MODULES", {})
+    assert ops._triton_module("triton_ssd") is None
+    with pytest.raises(ValueError, match="impl='triton'"):
+        ops.resolve_impl("triton", torch.zeros(1), "triton_ssd")
+    assert ops.resolve_impl("auto", torch.zeros(1), "triton_ssd") is ops.reference

@@ -19,9 +19,11 @@ def _triton_module(name: str):
     """The Triton kernel module `megatron.core.ssm.ops.<name>`, or None when it (or triton) does not import."""
     if name not in _TRITON_MODULES:
         try:
-            _TRITON_MODULES[name] = importlib.import_module(f"megatron.core.ssm.ops.{name}")
+            module = importlib.import_module(f"megatron.core.ssm.ops.{name}")
         except ImportError:
-            _TRITON_MODULES[name] = None
+            module = None
+        # the kernel modules import without triton (their kernels are then undefined): unavailable too
+        _TRITON_MODULES[name] = module if getattr(module, "_HAVE_TRITON", False) else None
     return _TRITON_MODULES[name]
 
 
