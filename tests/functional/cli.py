@@ -30,7 +30,7 @@ LOG_LINE_RE = re.compile(
     r" learning rate: (?P<lr>[0-9.]+E[+-]\d+) \|"
     r"(?: decoupled learning rate: [0-9.]+E[+-]\d+ \|)?"
     r" global batch size: +(?P<gbs>\d+) \|"
-    r"(?P<losses>(?: [a-z0-9 \-]+: [0-9.]+E[+-]\d+ \|)*)"
+    r"(?P<losses>(?: [a-z0-9_ \-]+: [0-9.]+E[+-]\d+ \|)*)"
     r" loss scale: (?P<loss_scale>[0-9.]+) \|"
     r"(?: grad norm: (?P<grad_norm>[0-9.]+|nan|inf) \|)?"
     r"(?: num zeros: \d+ \|)?"
@@ -38,7 +38,7 @@ LOG_LINE_RE = re.compile(
     r" number of skipped iterations: +(?P<skipped>\d+) \|"
     r" number of nan iterations: +(?P<nan>\d+) \|$"
 )
-LOSS_RE = re.compile(r" ([a-z0-9 \-]+): ([0-9.]+E[+-]\d+) \|")
+LOSS_RE = re.compile(r" ([a-z0-9_ \-]+): ([0-9.]+E[+-]\d+) \|")
 VALIDATION_RE = re.compile(
     r"^ validation loss at (?P<prefix>.+?) \| lm loss value: (?P<value>[0-9.]+E[+-]\d+) \|"
     r" lm loss PPL: (?P<ppl>[0-9.]+E[+-]\d+) \| $"

@@ -199,7 +199,7 @@ def test_training_log_reads_device_values_only_on_log_iterations(monkeypatch):
                                  tensorboard_log_interval=1, tensorboard_dir=None, wandb_project="",
                                  train_iters=10, consumed_train_samples=8, skipped_train_samples=0,
                                  log_throughput=False, decoupled_lr=None, world_size=1,
-                                 log_timers_to_tensorboard=False)
+                                 log_timers_to_tensorboard=False, num_experts=None, mtp_num_layers=None)
     printed, reductions = [], []
     patches = {
         "get_args": lambda: args, "get_timers": _Timers, "get_tensorboard_writer": lambda: None,
