@@ -17,6 +17,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.bert import bert_layer_specs
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer.spec_utils import import_module
+from megatron.training.initialize import shutdown_distributed
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import average_losses_across_data_parallel_group, get_blend_and_blend_per_split
@@ -105,3 +106,4 @@ if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
              args_defaults={"tokenizer_type": "BertWordPieceLowerCase"})
+    shutdown_distributed()

@@ -19,6 +19,7 @@ from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.transformer.spec_utils import import_module
 from megatron.core.utils import StragglerDetector, get_attr_wrapped_model
+from megatron.training.initialize import shutdown_distributed
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import (
@@ -154,3 +155,4 @@ if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
              args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    shutdown_distributed()

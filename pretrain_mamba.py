@@ -6,6 +6,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.mamba import MambaModel
 from megatron.core.transformer.spec_utils import import_module
 from megatron.core.utils import StragglerDetector, get_attr_wrapped_model
+from megatron.training.initialize import shutdown_distributed
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import get_gpt_batch_with_documents
@@ -54,3 +55,4 @@ if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
              args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    shutdown_distributed()

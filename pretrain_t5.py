@@ -16,6 +16,7 @@ from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5Masked
 from megatron.core.enums import ModelType
 from megatron.core.models.T5 import t5_spec
 from megatron.core.models.T5.t5_model import T5Model
+from megatron.training.initialize import shutdown_distributed
 from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import get_blend_and_blend_per_split
@@ -119,3 +120,4 @@ if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_and_decoder, forward_step,
              args_defaults={"tokenizer_type": "BertWordPieceLowerCase"})
+    shutdown_distributed()

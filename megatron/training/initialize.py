@@ -254,3 +254,12 @@ def _warmup_jit_function():
     training, so warming them up with other shapes would only add compilations: nothing to run."""
     return None
 
+
+
+def shutdown_distributed():
+    """End an entry script's run in order: every rank reaches a barrier, then the default process group is
+    destroyed before the interpreter exits (a gloo group torn down by interpreter shutdown while a peer is still
+    closing its connections can abort the process after the run has finished)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
