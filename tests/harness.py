@@ -227,3 +227,16 @@ def tp_slice(param, full):
         return full
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     return torch.chunk(full, tp, dim=param.partition_dim)[rank]
+
+
+def assert_case_reports(cases, results):
+    """Check per-rank case reports of a parity launch: `results[rank][index]` is a dict with `problems` (list of
+    strings), `names` (the parameter names this rank compared), `ref_names` (all names of the single-process
+    model) and `has_losses`. Every rank must report no problem, the ranks together must cover every parameter,
+    and some rank must have computed the losses."""
+    for index, case in enumerate(cases):
+        per_rank = [r[index] for r in results]
+        assert all(not r["problems"] for r in per_rank), [p for r in per_rank for p in r["problems"]]
+        covered = set().union(*(r["names"] for r in per_rank))
+        assert covered == per_rank[0]["ref_names"], (case["name"], per_rank[0]["ref_names"] ^ covered)
+        assert any(r["has_losses"] for r in per_rank), case["name"]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import run_on_ranks
-from tests.parity.test_moe_parity import _relative, load_global, to_numpy
+from tests.parity.test_moe_parity import _loss_func, _relative, load_global, to_numpy
 
 VOCAB, SEQ, MBS, HIDDEN, HEADS, FFN = 64, 8, 2, 16, 4, 24
 STEPS, MICRO, LR, WORLD = 3, 2, 0.5, 4
@@ -131,14 +131,6 @@ def _batches():
                              position_ids=torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()))
         out.append(step)
     return out
-
-
-def _loss_func(loss_mask, output_tensor):
-    losses = output_tensor.float().view(-1)  # [b, s] -> [b*s]
-    mask = loss_mask.reshape(-1)  # [b, s] -> [b*s]
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.detach().float()])}
 
 
 def _forward_step(data_iterator, model):
