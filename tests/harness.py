@@ -16,6 +16,7 @@ few seconds on a 2-core machine, so put many checks into one launch.
 """
 import contextlib
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -92,7 +93,7 @@ def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=Non
         init_file = os.path.join(tmp, "rendezvous")
         result_queue = ctx.Queue()
         procs, stack_files = [], []
-        with _environment(env):  # the ranks start with it (forked or spawned), before any import
+        with _environment(env), inherited_objects_frozen(start_method):  # the ranks start with it, before any import
             for rank in range(world_size):
                 stack_file = os.path.join(tmp, f"stack_{rank}.txt")
                 stack_files.append(stack_file)
@@ -118,6 +119,25 @@ def run_on_ranks(fn, world_size, *args, timeout=None, env=None, start_method=Non
                 f"ranks {missing} of {fn.__name__} did not finish within {timeout:.0f}s (or died):\n{stacks}"
             )
         return [results[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def inherited_objects_frozen(start_method):
+    """Inside the block, processes forked from this one never run the garbage collector over what they inherit.
+
+    Garbage left by earlier tests of this process (a process group or store in a reference cycle) would otherwise
+    be collected in the child, where its C++ destructor waits for worker threads that were not forked: the child
+    then hangs in an innocent allocation, holding the GIL. The garbage is collected here first (where those
+    threads exist), and what is left is frozen (`gc.freeze`) while the children are forked."""
+    if start_method != "fork":
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 from megatron.training import checkpointing
 from megatron.training.global_vars import get_args
 from tests.functional.cli import reset_training_state, run_pretrain_in_process
-from tests.harness import run_on_ranks
+from tests.harness import inherited_objects_frozen, run_on_ranks
 
 BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
@@ -89,11 +89,12 @@ def _writer(variant, save, marker):
 def _kill_writers(root):
     ctx = mp.get_context("fork")
     procs = {}
-    for variant in VARIANTS:
-        marker = os.path.join(root, variant + ".writing")
-        proc = ctx.Process(target=_writer, args=(variant, os.path.join(root, variant), marker))
-        proc.start()
-        procs[variant] = (proc, marker)
+    with inherited_objects_frozen("fork"):
+        for variant in VARIANTS:
+            marker = os.path.join(root, variant + ".writing")
+            proc = ctx.Process(target=_writer, args=(variant, os.path.join(root, variant), marker))
+            proc.start()
+            procs[variant] = (proc, marker)
     deadline = time.time() + WAIT_S
     try:
         for variant, (proc, marker) in procs.items():
