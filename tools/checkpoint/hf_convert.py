@@ -8,7 +8,7 @@ Supported: Llama / Mistral / Qwen2 (qkv bias) / Qwen3 (qk-norm) style models (Ro
 GQA, tied or untied), GPT-2 (learned positions, LayerNorm, GELU, biases), the MoE models Mixtral and
 Qwen3-MoE (SequentialMLP expert keys, EP=1 on the Megatron side; `hf_mapping_moe`), Mamba2
 (`hf_mapping_mamba`; any TP on import, TP=1 PP=1 on export) and DeepSeek-V3 (`model_type` deepseek_v3: MLA +
-MoE, TP=1 on the Megatron side; mapping in `hf_deepseek_v3.py`). The HF side is a local
+MoE, any TP/PP on the Megatron side, experts at EP=1; mapping in `hf_deepseek_v3.py`). The HF side is a local
 directory with `config.json` and `model.safetensors` (or a sharded `model.safetensors.index.json`);
 nothing is downloaded.
 """

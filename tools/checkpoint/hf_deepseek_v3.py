@@ -1,5 +1,5 @@
 """HuggingFace DeepseekV3 (`transformers`' DeepseekV3ForCausalLM) <-> Megatron GPT with MLA + MoE (local spec
-names, TP=1, PP=1).
+names; the legacy layout at any TP and PP, experts at EP=1).
 
 Config facts (transformers' modeling_deepseek_v3 / modeling_rope_utils vs Megatron):
 - HF's softmax scale is q_head_dim^-0.5 * m(factor, mscale_all_dim)^2 and its cos/sin carry
@@ -197,34 +197,32 @@ def _pattern(config):
     return list(freq)
 
 
-def _checkpoint_args(kwargs: Dict[str, Any], vocab_size: int, tied: bool, pp: int) -> Dict[str, Any]:
+def _checkpoint_args(kwargs: Dict[str, Any], vocab_size: int, tied: bool, tp: int, pp: int) -> Dict[str, Any]:
     """Megatron command-line arguments (as a checkpoint stores them) of a DeepSeek-V3 model."""
     args = {k: v for k, v in kwargs.items() if k not in ("num_moe_experts", "layernorm_epsilon", "gated_linear_unit",
                                                           "add_bias_linear", "rope_type")}
     args.update(num_experts=kwargs["num_moe_experts"], norm_epsilon=kwargs["layernorm_epsilon"], swiglu=True,
                 add_bias_linear=False, multi_latent_attention=True, position_embedding_type="rope",
                 untie_embeddings_and_output_weights=not tied, vocab_size=vocab_size, padded_vocab_size=vocab_size,
-                tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, model_type="GPT",
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, model_type="GPT",
                 seq_length=kwargs.get("max_position_embeddings", 4096))
     return args
 
 
 def hf_dir_to_megatron(hf_config: Dict[str, Any], hf_state: StateDict, save_dir: str, tp: int = 1, pp: int = 1,
                        iteration: Optional[int] = None) -> Dict[str, Any]:
-    """Write an HF DeepseekV3 model as a legacy-layout Megatron checkpoint (TP=1; any PP). Returns the args."""
+    """Write an HF DeepseekV3 model as a legacy-layout Megatron checkpoint at TP=`tp` (experts split at expert
+    TP = TP, EP=1) and PP=`pp`. Returns the args."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     from tools.checkpoint.legacy_layout import write_legacy_checkpoint
 
-    if tp != 1:
-        raise ValueError(f"--target-tensor-parallel-size {tp}: DeepseekV3 checkpoints are written at TP=1 here; "
-                         "reshard with the distributed checkpoint loader (--ckpt-convert-format) afterwards.")
     kwargs = megatron_config_from_hf(hf_config)
     config = MLATransformerConfig(**kwargs)
     tied = bool(hf_config.get("tie_word_embeddings", False))
     full = hf_to_megatron(hf_state, config, tied)
-    args = _checkpoint_args(kwargs, hf_config["vocab_size"], tied, pp)
+    args = _checkpoint_args(kwargs, hf_config["vocab_size"], tied, tp, pp)
     layout = SimpleNamespace(num_layers=config.num_layers, swiglu=True)
-    write_legacy_checkpoint(save_dir, full, args, layout, iteration, 1, pp)
+    write_legacy_checkpoint(save_dir, full, args, layout, iteration, tp, pp)
     return args
 
 

@@ -5,7 +5,7 @@ Layout: `<dir>/latest_checkpointed_iteration.txt` (an iteration or `release`), t
 `{"model", "args", "iteration", "checkpoint_version"}`. Files are read with the restricted unpickler.
 
 Tensor-parallel rules (local-spec names): column-parallel weights (`linear_qkv`, `linear_fc1`, word
-embeddings, output layer) are split along dim 0, row-parallel weights (`linear_proj`, `linear_fc2`)
+embeddings, output layer, the multi-latent attention projections other than `linear_proj`) are split along dim 0, row-parallel weights (`linear_proj`, `linear_fc2`)
 along dim 1, everything else is replicated. A SwiGLU `linear_fc1` shard holds `[gate_shard; up_shard]`.
 Pipeline stages hold consecutive layers renumbered from 0; the first stage holds the embeddings, the
 last the final norm and output layer (a real copy of the tied embedding when PP > 1).
@@ -23,7 +23,12 @@ from tools.checkpoint.model_description import ModelDescription
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
-           "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight")
+           "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight",
+           # multi-latent attention: every projection but linear_proj is column-parallel (the down projections'
+           # outputs are all-gathered over TP; the kv_down rows [latent | k_pe] are sharded as one block)
+           "self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+           "self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight",
+           "self_attention.linear_kv_up_proj.weight")
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 

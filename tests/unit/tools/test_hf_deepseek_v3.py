@@ -116,3 +116,49 @@ def test_hf_convert_directories_round_trip(tmp_path):
     assert back_config["rope_parameters"]["mscale_all_dim"] == 0.8
     for key, value in hf.state_dict().items():
         assert torch.equal(back_state[key], value), key
+
+
+def _tp2_logits_error(ckpt_dir, kwargs, tokens, want):
+    """On each of 2 ranks: a TP=2 MLA + MoE model loaded strictly from its legacy shard; max |logits - HF|."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.safe_load import safe_torch_load
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from tests.unit.transformer.model_setup import seed_all
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    seed_all(0)
+    _, model = _megatron_model(dict(kwargs, tensor_model_parallel_size=2))
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    shard = safe_torch_load(f"{ckpt_dir}/release/mp_rank_{rank:02d}/model_optim_rng.pt")
+    missing, unexpected = model.load_state_dict(shard["model"], strict=False)
+    assert not unexpected, unexpected
+    assert all(k.endswith(("_extra_state", "local_tokens_per_expert")) for k in missing), missing
+    positions = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
+    with torch.no_grad():
+        got = gather_from_tensor_model_parallel_region(model(tokens, positions, None))  # [b, s, V/2] -> [b, s, V]
+    return shard["args"]["tensor_model_parallel_size"], (got - want).abs().max().item()
+
+
+def test_hf_import_at_tp2_loads_into_a_tp2_model_with_transformers_logits(tmp_path):
+    """hf-to-megatron --target-tensor-parallel-size 2: each rank's shard of the MLA projections, the experts
+    (expert TP = TP) and the shared expert loads into a TP=2 model whose logits equal transformers'; converting
+    back merges the shards into the original weights."""
+    from tests.harness import run_on_ranks
+    from tools.checkpoint import hf_convert
+    from tools.checkpoint import hf_deepseek_v3 as conv
+
+    hf_config, hf = _hf_model(20)
+    config = {k: v for k, v in hf_config.to_dict().items() if not k.startswith("_")}
+    hf_convert.write_hf_dir(str(tmp_path / "hf"), config, dict(hf.state_dict()))
+    hf_convert.main(["hf-to-megatron", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "mg"),
+                     "--target-tensor-parallel-size", "2"])
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=tokens).logits
+    kwargs = conv.megatron_config_from_hf(config)
+    for tp, error in run_on_ranks(_tp2_logits_error, 2, str(tmp_path / "mg"), kwargs, tokens, want, timeout=120):
+        assert tp == 2 and error <= 1e-4 * max(1.0, want.abs().max().item()), error
+    hf_convert.main(["megatron-to-hf", "--load-dir", str(tmp_path / "mg"), "--save-dir", str(tmp_path / "back")])
+    _, back_state = hf_convert.read_hf_dir(str(tmp_path / "back"))
+    for key, value in hf.state_dict().items():
+        assert torch.equal(back_state[key], value), key
