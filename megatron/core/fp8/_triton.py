@@ -58,8 +58,12 @@ if module_available("triton"):
     def _quantize_kernel(x_ptr, amax_ptr, amax_len, q_ptr, qt_ptr, scale_inv_ptr, partials_ptr, M, N, fp8_max,
                          margin_mult, WRITE_T: tl.constexpr, AMAX_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, AMAX_BLOCK: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # one grid axis (CUDA caps the second and third at 65535 programs: a [1, n] shard of 2**23+ elements
+        # would not launch); tile `pid` is row tile pid // tiles_n, column tile pid % tiles_n
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // tiles_n
+        pid_n = pid % tiles_n
         scale = _scale_of(amax_ptr, amax_len, fp8_max, margin_mult, AMAX_BLOCK)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: tensors of 2**31 elements and more
         cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,9 +80,9 @@ if module_available("triton"):
         if AMAX_OUT:
             row_max = tl.max(tl.abs(x), axis=1)
             row_nans = tl.sum((x != x).to(tl.int32), axis=1)
-            tl.store(partials_ptr + pid_m * tl.num_programs(1) + pid_n,
+            tl.store(partials_ptr + pid,
                      _nan_aware_max(tl.where(row_nans > 0, float("nan"), row_max)))
-        if pid_m == 0 and pid_n == 0:
+        if pid == 0:
             tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
 
     @triton.jit
@@ -121,8 +125,8 @@ def _quantize(tensor: torch.Tensor, amax_: torch.Tensor, amax_len: int, fp8_dtyp
     q = torch.empty((rows, cols), dtype=fp8_dtype, device=tensor.device)
     q_t = torch.empty((cols, rows), dtype=fp8_dtype, device=tensor.device) if transpose else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=tensor.device)
-    grid = (triton.cdiv(rows, _TILE_M), triton.cdiv(cols, _TILE_N))
-    partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=tensor.device) if with_partials else None
+    grid = (triton.cdiv(rows, _TILE_M) * triton.cdiv(cols, _TILE_N),)
+    partials = torch.empty(grid[0], dtype=torch.float32, device=tensor.device) if with_partials else None
     # the format's largest finite value (448 for E4M3, 57344 for E5M2), the `kernels.FP8_MAX` entry
     fp8_max = torch.finfo(fp8_dtype).max
     _quantize_kernel[grid](tensor, amax_, amax_len, q, q_t if transpose else q, scale_inv,

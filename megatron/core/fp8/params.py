@@ -41,10 +41,16 @@ class Fp8WeightCopy:
         return (self.data.float() * self.scale_inv).to(dtype)
 
 
+_ROW = 128
+
+
 def quantize_shard(shard: torch.Tensor, amax_: torch.Tensor, margin: int = 0):
     """(E4M3 values of a 1-D shard, scale_inv [1]) under the scale of the whole weight's `amax_` ([1] fp32)."""
-    # [n] -> [1, n] (the quantizer takes 2-D tensors)
-    q, _, scale_inv = kernels.quantize(shard.reshape(1, -1), amax_, kernels.E4M3, margin)
+    n = shard.numel()
+    # [n] -> [n / 128, 128] (the quantizer takes 2-D tensors and tiles them 64 x 128: rows of 128 fill its
+    # tiles), else [1, n]
+    rows = shard.reshape(-1, _ROW) if n % _ROW == 0 and n > 0 else shard.reshape(1, -1)
+    q, _, scale_inv = kernels.quantize(rows, amax_, kernels.E4M3, margin)
     return q.reshape(-1), scale_inv
 
 

@@ -35,7 +35,7 @@ def _special_values(shape, generator):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 2048), (1000, 72), (64, 70), (3, 5), (130, 64)])
+@pytest.mark.parametrize("shape", [(4096, 2048), (1000, 72), (64, 70), (3, 5), (130, 64), (1, 9_000_000)])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf-zero"])
 def test_triton_quantize_matches_the_fallback_bit_for_bit(shape, dtype, special):
