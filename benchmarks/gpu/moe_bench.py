@@ -65,17 +65,28 @@ def _dense_flags(shape):
     return ["--ffn-hidden-size", str(shape["ffn"] * shape["topk"])]
 
 
-def _run_pretrain(name, flags, warmup, smoke, timeout):
+def _run_pretrain(name, flags, warmup, smoke, timeout, profile_out=None):
+    """One `pretrain_gpt.py` run; with `profile_out` through `profile_pretrain.py`, whose kernel tables of the
+    two iterations after the timed ones go to that file (the timed iterations are not profiled)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     if smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    script = [os.path.join(ROOT, "pretrain_gpt.py")]
+    timed = int(flags[flags.index("--train-iters") + 1])  # log lines of the timed iterations (log interval 1)
+    if profile_out:
+        iters = int(flags[flags.index("--train-iters") + 1])
+        flags = list(flags)
+        flags[flags.index("--train-iters") + 1] = str(iters + 3)
+        flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters + 1),
+                  "--profile-step-end", str(iters + 3)]
+        script = [os.path.join(ROOT, "benchmarks", "gpu", "profile_pretrain.py"), "--profile-out", profile_out, "--"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               os.path.join(ROOT, "pretrain_gpt.py"), *flags]
+               *script, *flags]
     start = time.time()
     proc = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
     log = proc.stdout
-    iteration_lines = [line for line in log.splitlines() if "] iteration" in line]
+    iteration_lines = [line for line in log.splitlines() if "] iteration" in line][:timed]
     tflops = [float(m) for line in iteration_lines for m in TFLOPS_RE.findall(line)]
     elapsed = [float(m) for line in iteration_lines for m in ELAPSED_RE.findall(line)]
     losses = [float(m) for line in iteration_lines for m in LOSS_RE.findall(line)]
@@ -166,6 +177,8 @@ def main(argv=None):
                         help="pretrain_gpt.py runs (none: only the GEMM comparison)")
     parser.add_argument("--skip-gemm", action="store_true", help="no GEMM comparison")
     parser.add_argument("--out", default="moe_bench.json", help="JSON output file")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write kernel tables of each run (profile_<run>.txt beside --out)")
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
     iters = args.iters or (3 if args.smoke else 12)
@@ -181,7 +194,9 @@ def main(argv=None):
     common = _common(shape, iters, args.smoke)
     for name in args.runs:
         flags = common + (_moe_flags(shape) if name == "moe" else _dense_flags(shape))
-        result[name] = _run_pretrain(name, flags, warmup, args.smoke, timeout)
+        profile_out = (os.path.join(os.path.dirname(os.path.abspath(args.out)), f"profile_{name}.txt")
+                       if args.profile else None)
+        result[name] = _run_pretrain(name, flags, warmup, args.smoke, timeout, profile_out)
         with open(args.out, "w") as f:  # partial results survive a later timeout
             json.dump(result, f, indent=2)
         print(f"pretrain_gpt.py {name}: {result[name]['tflops_per_gpu']} TFLOP/s/GPU, "
