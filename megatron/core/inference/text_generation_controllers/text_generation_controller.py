@@ -89,7 +89,7 @@ class TextGenerationController:
             vocab_size = getattr(self.tokenizer, "vocab_size", None)
         tokens = sample_from_logits(last_token_logits, sampling_params.top_k, sampling_params.top_p,
                                     sampling_params.temperature, vocab_size, generator)
-        return self.inference_wrapped_model.broadcast_from_first_tp_rank(tokens)
+        return self.inference_wrapped_model.broadcast_sampled_tokens(tokens)
 
     def _top_n(self, log_probs: torch.Tensor, n: int) -> List[Dict[str, float]]:
         values, indices = torch.topk(log_probs, n, dim=-1)
