@@ -3,7 +3,8 @@ replicas) and TP=2 x PP=2 (a Llama-style model). In each layout the static engin
 log-probabilities, its seeded top-k samples, the same greedy run micro-batched by a small
 `inference_batch_times_seqlen_threshold`, and the dynamic engine with requests of different lengths joining
 mid-flight (one longer than the step's token budget: chunked prefill) equal the single-process (PP=1)
-engines token for token; every rank returns the same results. In the TP=2 x PP=2 layout rank 0 also serves
+engines token for token; every rank returns the same results. CUDA-graph decode steps and a dynamic context
+sized for one stage's layers are refused with a message. In the TP=2 x PP=2 layout rank 0 also serves
 `PUT /api` over HTTP while the other ranks follow its broadcast requests.
 
 Tolerances: log-probabilities to 1e-4 (fp32; stage splits, TP reductions and micro-batches change only the
@@ -140,6 +141,27 @@ def _count_stage_forwards(wrapped):
     return calls
 
 
+def _refusals(model, tp):
+    """The messages of what PP inference refuses: decode graphs, a dynamic context sized for one stage."""
+    import pytest
+
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+
+    messages = []
+    with pytest.raises(ValueError, match="--enable-cuda-graph") as graphs:
+        T.static_engine(model).text_generation_controller.inference_wrapped_model.set_decode_graphs(True)
+    messages.append(str(graphs.value))
+    context = DynamicInferenceContext(params_dtype=torch.float32, num_layers=1, kv_channels=model.config.kv_channels,
+                                      num_attention_heads=model.config.num_query_groups, max_sequence_length=T.MAX_SEQ,
+                                      buffer_size_gb=0.0005, buffer_guaranteed_fraction=0.1, chunk_size_tokens=8,
+                                      max_requests_override=4, max_tokens_override=64, tensor_model_parallel_size=tp)
+    with pytest.raises(ValueError, match="num_layers = the model's total") as layers:
+        GPTInferenceWrapper(model, T.wrapper_config(), inference_context=context)
+    messages.append(str(layers.value))
+    return messages
+
+
 def _server_answer():
     """Rank 0: serve on a free port, PUT /api once, stop serving (which releases the followers)."""
     from megatron.inference.text_generation_server import MegatronServer
@@ -176,6 +198,7 @@ def _pp_layouts(states):
         micro = _static_runs(T.static_engine(model, max_requests=4), threshold=2)  # prefill: 1 row, decode: 2
         got.update({f"micro_{key}": value for key, value in micro.items()})
         got["dynamic"] = _dynamic_run(T.dynamic_engine(model, tp=tp, max_requests=4))
+        got["refused"] = _refusals(model, tp)
         if tp > 1:
             server_engine = T.static_engine(model, tokenizer_=T.CharTokenizer())
             if dist.get_rank() == 0:
@@ -222,6 +245,7 @@ def test_pipeline_parallel_generation_equals_single_process():
                 assert _close(got[f"{prefix}log_probs"], ref["log_probs"]), (layout, rank, prefix)
                 assert got[f"{prefix}sampled"] == ref["sampled"], (layout, rank, prefix)
             assert got["dynamic"] == ref["dynamic"], (layout, rank)
+            assert len(got["refused"]) == 2, (layout, rank)
             # the threshold split the forwards: a prefill of b rows into b, a 4-row decode step into 2
             assert got["micro_stage_forwards"] > 1.5 * got["stage_forwards"], (layout, rank)
         if layout[1] > 1:

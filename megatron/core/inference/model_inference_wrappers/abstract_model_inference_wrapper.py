@@ -57,6 +57,7 @@ class AbstractModelInferenceWrapper(abc.ABC):
         groups = getattr(self._unwrapped(), "model_comm_pgs", None)
         self.tp_group = getattr(groups, "tp", None)
         self.pp_group = self._pipeline_group(config, getattr(groups, "pp", None))
+        self._check_dynamic_context_layers(config)
         enabled = getattr(inference_wrapper_config, "enable_cuda_graph", None)
         if enabled is None:
             enabled = bool(getattr(config, "enable_cuda_graph", False))
@@ -71,6 +72,17 @@ class AbstractModelInferenceWrapper(abc.ABC):
         if config is None or getattr(config, "pipeline_model_parallel_size", 1) <= 1:
             return None
         return pp_group if pp_group is not None else parallel_state.get_pipeline_model_parallel_group()
+
+    def _check_dynamic_context_layers(self, config) -> None:
+        """A stage's layers keep their global numbers, which index the dynamic context's memory."""
+        context = self.inference_context
+        if self.pp_group is None or context is None or not context.is_dynamic_batching():
+            return
+        layers = getattr(context, "num_layers", None)
+        if layers is not None and layers < config.num_layers:
+            raise ValueError(f"the dynamic inference context has {layers} layers but the model has "
+                             f"{config.num_layers}: with --pipeline-model-parallel-size > 1 a stage's layers keep "
+                             "their global numbers, so build the context with num_layers = the model's total")
 
     @property
     def model_is_pipeline_parallel(self) -> bool:
@@ -215,10 +227,10 @@ class AbstractModelInferenceWrapper(abc.ABC):
 
     @staticmethod
     def _rows_of(inference_input: Dict[str, Any], rows: slice) -> Dict[str, Any]:
-        """The inputs of batch rows `rows` (a mask shared by all rows stays whole)."""
+        """The inputs of batch rows `rows` (a mask shared by all rows, [1, 1, s, s], stays whole; a batch of
+        one row is never split)."""
         batch = inference_input["tokens"].size(0)
-        return {key: value[rows] if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == batch
-                and not (key == "attention_mask" and batch == 1) else value
+        return {key: value[rows] if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == batch else value
                 for key, value in inference_input.items()}
 
     def _pipeline_forward(self, inference_input: Dict[str, Any]) -> Optional[torch.Tensor]:
