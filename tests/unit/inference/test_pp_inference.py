@@ -4,7 +4,8 @@ log-probabilities, its seeded top-k samples, the same greedy run micro-batched b
 `inference_batch_times_seqlen_threshold`, and the dynamic engine with requests of different lengths joining
 mid-flight (one longer than the step's token budget: chunked prefill) equal the single-process (PP=1)
 engines token for token; every rank returns the same results. CUDA-graph decode steps and a dynamic context
-sized for one stage's layers are refused with a message. In the TP=2 x PP=2 layout rank 0 also serves
+sized for one stage's layers are refused with a message; ranks whose dynamic schedule drifted from the last
+stage's raise. In the TP=2 x PP=2 layout rank 0 also serves
 `PUT /api` over HTTP while the other ranks follow its broadcast requests.
 
 Tolerances: log-probabilities to 1e-4 (fp32; stage splits, TP reductions and micro-batches change only the
@@ -162,6 +163,20 @@ def _refusals(model, tp):
     return messages
 
 
+def _drift_detected(model, tp):
+    """One dynamic step where the first stage's ranks hold another request id than the last stage's: the ranks
+    that differ from the last stage raise (after the step's collectives, so nobody hangs)."""
+    from megatron.core import parallel_state
+
+    engine = T.dynamic_engine(model, tp=tp)
+    engine.add_request(7 if parallel_state.is_pipeline_first_stage() else 8, DYNAMIC_PROMPTS[0], 4)
+    try:
+        engine.step(_greedy())
+    except RuntimeError as error:
+        return "out of step" in str(error)
+    return False
+
+
 def _server_answer():
     """Rank 0: serve on a free port, PUT /api once, stop serving (which releases the followers)."""
     from megatron.inference.text_generation_server import MegatronServer
@@ -199,6 +214,7 @@ def _pp_layouts(states):
         got.update({f"micro_{key}": value for key, value in micro.items()})
         got["dynamic"] = _dynamic_run(T.dynamic_engine(model, tp=tp, max_requests=4))
         got["refused"] = _refusals(model, tp)
+        got["drift_detected"] = _drift_detected(model, tp)
         if tp > 1:
             server_engine = T.static_engine(model, tokenizer_=T.CharTokenizer())
             if dist.get_rank() == 0:
@@ -246,6 +262,7 @@ def test_pipeline_parallel_generation_equals_single_process():
                 assert got[f"{prefix}sampled"] == ref["sampled"], (layout, rank, prefix)
             assert got["dynamic"] == ref["dynamic"], (layout, rank)
             assert len(got["refused"]) == 2, (layout, rank)
+            assert got["drift_detected"] == (rank < 2), (layout, rank)  # ranks 0, 1: the first stage
             # the threshold split the forwards: a prefill of b rows into b, a 4-row decode step into 2
             assert got["micro_stage_forwards"] > 1.5 * got["stage_forwards"], (layout, rank)
         if layout[1] > 1:

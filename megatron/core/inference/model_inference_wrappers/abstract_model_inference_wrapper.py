@@ -22,7 +22,7 @@ the real rows are returned. Prefills always run eagerly. They are refused with p
 arrives by p2p, outside any graph).
 """
 import abc
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -289,13 +289,32 @@ class AbstractModelInferenceWrapper(abc.ABC):
         group = get_tp_group(self.tp_group)
         return broadcast_tensor(tensor.contiguous(), dist.get_global_rank(group, 0), group)
 
-    def broadcast_sampled_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sampled tokens made equal on every model-parallel rank: those of the last stage's TP rank 0 win
-        (each stage samples from the same broadcast logits; this also covers RNG streams that drifted apart)."""
-        tensor = self.broadcast_from_first_tp_rank(tensor)
-        if self.pp_group is None:
+    def broadcast_sampled_tokens(self, tensor: torch.Tensor, step_fingerprint: Optional[List[int]] = None
+                                 ) -> torch.Tensor:
+        """Sampled tokens [n] made equal on every model-parallel rank: those of the last stage's TP rank 0 win
+        (each stage samples from the same broadcast logits; this also covers RNG streams that drifted apart).
+
+        `step_fingerprint` (ints describing the step's schedule) travels in the same broadcast: a rank whose
+        own fingerprint differs from the last stage's has drifted out of step and raises RuntimeError."""
+        if get_tp_world_size(self.tp_group) == 1 and self.pp_group is None:
             return tensor
-        return broadcast_from_last_pipeline_stage(tuple(tensor.shape), tensor.dtype, self.pp_group, tensor=tensor)
+        count = tensor.numel()
+        if step_fingerprint is not None:
+            local = torch.tensor(step_fingerprint, dtype=tensor.dtype, device=tensor.device)
+            tensor = torch.cat([tensor.reshape(-1), local])  # [n] + [f] -> [n + f]
+        tensor = self.broadcast_from_first_tp_rank(tensor)
+        if self.pp_group is not None:
+            tensor = broadcast_from_last_pipeline_stage(tuple(tensor.shape), tensor.dtype, self.pp_group, tensor=tensor)
+        if step_fingerprint is None:
+            return tensor
+        received = tensor[count:].tolist()
+        if received != list(step_fingerprint):
+            raise RuntimeError(
+                f"global rank {dist.get_rank()} is out of step with the last pipeline stage's tensor-parallel "
+                f"rank 0: its step schedules {step_fingerprint[:2]} (requests, tokens) with fingerprint "
+                f"{step_fingerprint[2:]}, that rank {received[:2]} with {received[2:]}; every rank must make the "
+                "same add_request calls before the same steps")
+        return tensor[:count]
 
 
 __all__ = ["AbstractModelInferenceWrapper"]
