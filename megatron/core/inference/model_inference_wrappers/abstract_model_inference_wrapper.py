@@ -12,14 +12,15 @@ to every stage, so each rank samples, scores and advances the requests identical
 `b * s > inference_batch_times_seqlen_threshold` (and the threshold is not -1) a static-batch forward is
 split into micro-batches of `max(1, threshold // s)` rows, each run through all stages in turn (the static
 context's `batch_size_offset` says which cache rows they own). A dynamic step is one `[1, T]` sequence,
-so it is never split.
+so it is never split. A stage's layers keep their global numbers, so a dynamic context is built with the
+model's total `num_layers` on every stage (each stage fills only its own layers' part).
 
 Decode graphs (`InferenceWrapperConfig.enable_cuda_graph`, default: the model config's `enable_cuda_graph`):
 one-column forwards of the static context, and decode-only steps of the dynamic context laid out in its
 static buffers, run through a `DecodeGraphRunner` keyed by the batch-size bucket (power of two): the rows
 are copied into the bucket's input buffers, the step is replayed (captured on first use) and the logits of
-the real rows are returned. Prefills always run eagerly. They are refused with pipeline parallelism (a stage's input activation
-arrives by p2p, outside any graph).
+the real rows are returned. Prefills always run eagerly. Decode graphs are refused with pipeline
+parallelism (a stage's input activation arrives by p2p, outside any graph).
 """
 import abc
 from typing import Any, Dict, List, Optional, Tuple
@@ -267,6 +268,8 @@ class AbstractModelInferenceWrapper(abc.ABC):
             self._unwrapped().set_input_tensor(received)
         with eager_forwards():
             output = self._forward(inference_input)
+        if not self._is_first_stage():
+            self._unwrapped().set_input_tensor(None)  # the received activation is not kept past the forward
         if not self._is_last_stage():
             send_to_next_pipeline_rank(output.to(self._activation_dtype()), self.pp_group)
         return output
