@@ -1,12 +1,12 @@
 """Pipeline-parallel inference on 4 gloo ranks (one launch): PP=2 (a tied-embedding GPT, two data-parallel
-replicas) and TP=2 x PP=2 (a Llama-style model). In each layout the static engine's greedy tokens and
-log-probabilities, its seeded top-k samples, the same greedy run micro-batched by a small
-`inference_batch_times_seqlen_threshold`, and the dynamic engine with requests of different lengths joining
-mid-flight (one longer than the step's token budget: chunked prefill) equal the single-process (PP=1)
-engines token for token; every rank returns the same results. CUDA-graph decode steps and a dynamic context
-sized for one stage's layers are refused with a message; ranks whose dynamic schedule drifted from the last
-stage's raise. In the TP=2 x PP=2 layout rank 0 also serves
-`PUT /api` over HTTP while the other ranks follow its broadcast requests.
+replicas), TP=2 x PP=2 (a Llama-style model) and PP=4 (a 4-layer GPT: middle stages receive and send). In each
+layout the static engine's greedy tokens and log-probabilities, its seeded top-k samples, the same runs
+micro-batched by a small `inference_batch_times_seqlen_threshold`, and the dynamic engine with requests of
+different lengths joining mid-flight (one longer than the step's token budget: chunked prefill) equal the
+single-process (PP=1) engines token for token; every rank returns the same results. CUDA-graph decode steps
+and a dynamic context sized for one stage's layers are refused with a message; ranks whose dynamic schedule
+drifted from the last stage's raise. In the TP=2 x PP=2 layout rank 0 also serves `PUT /api` over HTTP while
+the other ranks follow its broadcast requests.
 
 Tolerances: log-probabilities to 1e-4 (fp32; stage splits, TP reductions and micro-batches change only the
 summation order).
@@ -26,7 +26,7 @@ PROMPTS = T.prompts(5, [3, 9, 5, 12, 1])
 DYNAMIC_PROMPTS = T.prompts(5, [5, 70, 2, 17, 9], seed=11)  # 70 > the 64-token step budget: chunked prefill
 DYNAMIC_BUDGETS = [10, 6, 12, 3, 8]
 ARRIVALS = {0: [0, 1], 2: [2], 3: [3], 5: [4]}  # step -> requests joining before it
-LAYOUTS = [("gpt", 1, 2), ("llama", 2, 2)]  # (model kind, TP, PP) on 4 ranks
+LAYOUTS = [("gpt", 2, 1, 2), ("llama", 2, 2, 2), ("gpt", 4, 1, 4)]  # (model kind, layers, TP, PP) on 4 ranks
 SERVER_PROMPTS = ["Hello", "The quick brown"]
 SERVER_TOKENS = 5
 
@@ -76,9 +76,14 @@ def _dynamic_run(engine):
     return [done[i] for i in range(len(DYNAMIC_PROMPTS))]
 
 
-def _model_kwargs(kind):
-    """tiny_gpt's model (same sizes and initialisation)."""
-    kw = dict(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True, init_method_std=0.3,
+def _dynamic_engine(model, tp=1):
+    """tiny_gpt's dynamic engine (4 request slots), its buffer grown with the layer count (same chunk count)."""
+    return T.dynamic_engine(model, tp=tp, max_requests=4, buffer_gb=0.00025 * model.config.num_layers)
+
+
+def _model_kwargs(kind, layers):
+    """tiny_gpt's model (same sizes and initialisation), with `layers` layers."""
+    kw = dict(num_layers=layers, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True, init_method_std=0.3,
               hidden_dropout=0.0, attention_dropout=0.0)
     if kind == "llama":
         kw.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
@@ -109,25 +114,30 @@ def _shard(param, full):
     return torch.cat(pieces, dim=param.partition_dim)
 
 
-def _stage_model(kind, tp, pp, state):
-    """This rank's stage (and TP shard) of tiny_gpt's model, with the single-process weights."""
-    from megatron.core import parallel_state
+def _gpt_model(kind, layers, tp=1, pp=1, pre_process=True, post_process=True):
+    """tiny_gpt's GPTModel, or one pipeline stage of it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               pipeline_dtype=torch.float32, **_model_kwargs(kind))
-    tied = kind == "gpt"
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
-                     vocab_size=T.VOCAB, max_sequence_length=T.MAX_SEQ, share_embeddings_and_output_weights=tied,
-                     position_embedding_type="rope" if kind == "llama" else "learned_absolute",
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
+                               pipeline_dtype=torch.float32, **_model_kwargs(kind, layers))
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+                    vocab_size=T.VOCAB, max_sequence_length=T.MAX_SEQ, share_embeddings_and_output_weights=kind == "gpt",
+                    position_embedding_type="rope" if kind == "llama" else "learned_absolute",
+                    pre_process=pre_process, post_process=post_process).eval()
+
+
+def _stage_model(kind, layers, tp, pp, state):
+    """This rank's stage (and TP shard) of the model, with the single-process weights."""
+    from megatron.core import parallel_state
+
+    model = _gpt_model(kind, layers, tp, pp, parallel_state.is_pipeline_first_stage(),
+                       parallel_state.is_pipeline_last_stage())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_shard(param, state[_reference_name(model, name, tied)]))
-    return model.eval()
+            param.copy_(_shard(param, state[_reference_name(model, name, kind == "gpt")]))
+    return model
 
 
 def _count_stage_forwards(wrapped):
@@ -168,7 +178,7 @@ def _drift_detected(model, tp):
     that differ from the last stage raise (after the step's collectives, so nobody hangs)."""
     from megatron.core import parallel_state
 
-    engine = T.dynamic_engine(model, tp=tp)
+    engine = _dynamic_engine(model, tp)
     engine.add_request(7 if parallel_state.is_pipeline_first_stage() else 8, DYNAMIC_PROMPTS[0], 4)
     try:
         engine.step(_greedy())
@@ -206,39 +216,44 @@ def _pp_layouts(states):
     from megatron.inference.text_generation.mcore_engine_server import serve_follower_ranks
 
     results = {}
-    for kind, tp, pp in LAYOUTS:
+    for kind, layers, tp, pp in LAYOUTS:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        model = _stage_model(kind, tp, pp, states[kind])
+        model = _stage_model(kind, layers, tp, pp, states[(kind, layers)])
         got = _static_runs(T.static_engine(model, max_requests=4))
         micro = _static_runs(T.static_engine(model, max_requests=4), threshold=2)  # prefill: 1 row, decode: 2
         got.update({f"micro_{key}": value for key, value in micro.items()})
-        got["dynamic"] = _dynamic_run(T.dynamic_engine(model, tp=tp, max_requests=4))
+        got["dynamic"] = _dynamic_run(_dynamic_engine(model, tp))
         got["refused"] = _refusals(model, tp)
         got["drift_detected"] = _drift_detected(model, tp)
-        if tp > 1:
+        got["first_stage"] = parallel_state.is_pipeline_first_stage()
+        if tp > 1:  # the TP=2 x PP=2 layout also serves
             server_engine = T.static_engine(model, tokenizer_=T.CharTokenizer())
             if dist.get_rank() == 0:
                 got["server"] = _server_answer()(server_engine)
             else:
                 serve_follower_ranks(server_engine)
-        results[(kind, tp, pp)] = got
+        results[(kind, layers, tp, pp)] = got
         parallel_state.destroy_model_parallel()
     return results
 
 
 def _single_process_reference():
-    """Weights and PP=1 results of each model kind."""
+    """Weights and PP=1 results of each (model kind, layers)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     init_single_rank()
     try:
         states, want = {}, {}
-        for kind in sorted({kind for kind, _, _ in LAYOUTS}):
-            model = T.build_model(kind)
-            states[kind] = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
-            want[kind] = _static_runs(T.static_engine(model, max_requests=4))
-            want[kind]["dynamic"] = _dynamic_run(T.dynamic_engine(model, max_requests=4))
+        for key in sorted({layout[:2] for layout in LAYOUTS}):
+            model_parallel_cuda_manual_seed(T.SEED)
+            torch.manual_seed(T.SEED)
+            model = _gpt_model(*key)
+            states[key] = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+            want[key] = _static_runs(T.static_engine(model, max_requests=4))
+            want[key]["dynamic"] = _dynamic_run(_dynamic_engine(model))
             tok = T.CharTokenizer()
-            want[kind]["server"] = [p + tok.detokenize(T.reference_greedy(model, tok.tokenize(p), SERVER_TOKENS))
-                                    for p in SERVER_PROMPTS]
+            want[key]["server"] = [p + tok.detokenize(T.reference_greedy(model, tok.tokenize(p), SERVER_TOKENS))
+                                   for p in SERVER_PROMPTS]
         return states, want
     finally:
         teardown_single_rank()
@@ -252,8 +267,7 @@ def test_pipeline_parallel_generation_equals_single_process():
     states, want = _single_process_reference()
     per_rank = run_on_ranks(_pp_layouts, 4, states, timeout=120)
     for layout in LAYOUTS:
-        kind = layout[0]
-        ref = want[kind]
+        ref = want[layout[:2]]
         for rank, results in enumerate(per_rank):
             got = results[layout]
             for prefix in ("", "micro_"):
@@ -262,8 +276,8 @@ def test_pipeline_parallel_generation_equals_single_process():
                 assert got[f"{prefix}sampled"] == ref["sampled"], (layout, rank, prefix)
             assert got["dynamic"] == ref["dynamic"], (layout, rank)
             assert len(got["refused"]) == 2, (layout, rank)
-            assert got["drift_detected"] == (rank < 2), (layout, rank)  # ranks 0, 1: the first stage
+            assert got["drift_detected"] == got["first_stage"], (layout, rank)
             # the threshold split the forwards: a prefill of b rows into b, a 4-row decode step into 2
             assert got["micro_stage_forwards"] > 1.5 * got["stage_forwards"], (layout, rank)
-        if layout[1] > 1:
+        if layout[2] > 1:
             assert per_rank[0][layout]["server"] == (200, ref["server"])
