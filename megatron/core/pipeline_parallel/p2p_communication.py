@@ -357,7 +357,7 @@ def broadcast_from_last_pipeline_stage(tensor_shape: Shape, dtype: torch.dtype, 
     """The last stage's `tensor` (logits or sampled tokens) on every stage of `pp_group`.
 
     The last stage passes `tensor` (sent as `dtype`, and returned as sent, so every stage holds the same
-    values); the other stages pass None and receive a new tensor of `tensor_shape`."""
+    values); the other stages' `tensor` is ignored (None will do): they receive a new one of `tensor_shape`."""
     ranks = dist.get_process_group_ranks(pp_group)
     is_last = dist.get_rank(group=pp_group) == len(ranks) - 1
     if is_last:
