@@ -5,7 +5,8 @@
 
 Routes: `PUT /api` (Megatron's schema), `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI, with
 `"stream": true`). `--prompts A B ...` generates for the prompts, prints the results and exits instead of serving.
-Rank 0 serves; every other rank (tensor parallelism) runs each generation rank 0 broadcasts.
+Rank 0 (the first pipeline stage's tensor-parallel rank 0) serves; every other rank (other tensor-parallel
+ranks, later pipeline stages) runs each generation rank 0 broadcasts, so all ranks stay in step.
 """
 import os
 import sys

@@ -10,6 +10,7 @@ on both sides and tags them by direction, so messages pair up in the same order 
 honours tags) and on NCCL (which matches same-peer ops in issue order). With
 `batch_p2p_comm=False` the ops are issued one by one in Megatron's even/odd rank order.
 """
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -320,3 +321,54 @@ def exchange(
         from_prev.append(got_prev)
         from_next.append(got_next)
     return from_prev, from_next
+
+
+# Inference (`megatron.core.inference`): one forward at a time, no gradients, activations in the dtype the
+# wrapper names (no TransformerConfig at hand), and the last stage's logits shared with every stage.
+
+
+@dataclass
+class _InferenceP2PConfig:
+    """The fields of a model config that `P2PCommunicator` reads, for inference forwards."""
+
+    pipeline_dtype: torch.dtype
+    batch_p2p_comm: bool = True
+    batch_p2p_sync: bool = False
+    variable_seq_lengths: bool = False
+    timers: Optional[object] = None
+
+
+def _inference_communicator(pp_group, dtype: torch.dtype) -> P2PCommunicator:
+    return P2PCommunicator(pp_group, _InferenceP2PConfig(dtype))
+
+
+def recv_from_prev_pipeline_rank(tensor_shape: Shape, dtype: torch.dtype, pp_group) -> torch.Tensor:
+    """An inference forward's input activation [s, b, h] from the previous stage (not on the first stage)."""
+    return _inference_communicator(pp_group, dtype).recv_forward(tensor_shape, is_first_stage=False).detach()
+
+
+def send_to_next_pipeline_rank(tensor: torch.Tensor, pp_group) -> None:
+    """An inference forward's output activation [s, b, h] to the next stage (not on the last stage)."""
+    _inference_communicator(pp_group, tensor.dtype).send_forward(tensor, is_last_stage=False)
+
+
+def broadcast_from_last_pipeline_stage(tensor_shape: Shape, dtype: torch.dtype, pp_group,
+                                       tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The last stage's `tensor` (logits or sampled tokens) on every stage of `pp_group`.
+
+    The last stage passes `tensor` (sent as `dtype`, and returned as sent, so every stage holds the same
+    values); the other stages' `tensor` is ignored (None will do): they receive a new one of `tensor_shape`."""
+    ranks = dist.get_process_group_ranks(pp_group)
+    is_last = dist.get_rank(group=pp_group) == len(ranks) - 1
+    if is_last:
+        if tensor is None:
+            raise ValueError("broadcast_from_last_pipeline_stage: the last stage must pass the tensor")
+        tensor = tensor.detach().to(dtype).contiguous()
+        if tuple(tensor.shape) != tuple(tensor_shape):
+            raise ValueError(f"broadcast_from_last_pipeline_stage: tensor shape {tuple(tensor.shape)} differs from "
+                             f"the shape the other stages expect, {tuple(tensor_shape)}")
+    else:
+        tensor = torch.empty(tuple(tensor_shape), dtype=dtype, device=_device())
+    if len(ranks) > 1:
+        dist.broadcast(tensor, ranks[-1], group=pp_group)
+    return tensor

@@ -2,8 +2,10 @@
 
 The server runs on global rank 0. Before each generation it broadcasts the call's arguments to all ranks
 (`ModelParallelSync.submit`); the other ranks wait in `serve_follower_ranks`, run the same generation with
-the same arguments (tensor-parallel ranks must join every forward's collectives), and leave the loop when
-rank 0 broadcasts the stop message at shutdown.
+the same arguments (tensor-parallel ranks must join every forward's collectives, and every pipeline stage
+its p2p exchanges and the broadcast of the last stage's logits), and leave the loop when rank 0 broadcasts
+the stop message at shutdown. Global rank 0 is the first pipeline stage's tensor-parallel rank 0, where
+Megatron runs its server; every stage ends a generation with the same results.
 """
 from typing import Callable, List, Optional
 

@@ -6,6 +6,12 @@ reserve kept), then runs one forward over all active tokens (new prompts, or chu
 with one-token decodes) and appends one sampled token per request whose prompt is complete. A request
 finishes at `termination_id` or when it reaches `prompt + num_tokens_to_generate` tokens (default: up to
 `max_sequence_length`); its memory is released at once, so waiting requests can join the next step.
+
+Several ranks (tensor and/or pipeline parallelism): every rank runs the same engine loop with the same
+`add_request` calls before the same steps. Admission and scheduling depend only on the requests and the
+context's memory book-keeping, never on time or rank, and the sampled tokens of a step are those of the
+last pipeline stage's tensor-parallel rank 0 on every rank, so all ranks take identical decisions and stay
+in step (a rank that drifted would fail the step's collectives instead of generating silently).
 """
 import time
 from collections import OrderedDict, deque

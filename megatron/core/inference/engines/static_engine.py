@@ -4,6 +4,10 @@
 the active pool as one static batch, moves the results to the completed pool and promotes waiting
 requests until none is left; results come back in request order. `random_seed` seeds torch's RNG at every
 `generate`.
+
+With tensor and/or pipeline parallelism every rank calls `generate` with the same requests (the REST server
+broadcasts them from rank 0); every rank ends with the same completed requests, since each forward's logits
+come from the last pipeline stage and the sampled tokens from its tensor-parallel rank 0.
 """
 import warnings
 from typing import Callable, Dict, List, Optional

@@ -6,7 +6,13 @@ forward covers columns `[0, min_prompt)`, then one column per step. A sampled to
 `end` only for rows whose prompt has ended (`prompt_len <= end`); shorter prompts start generating earlier
 while longer ones still read their own prompt tokens. A row is done after sampling EOD; the EOD is not part
 of `generated_tokens`.
+
+Several ranks: every rank runs the same loop; the wrapper returns the same logits on every rank (gathered
+over TP, broadcast from the last pipeline stage) and the sampled tokens of the last stage's TP rank 0. A
+dynamic step's schedule travels with its tokens, so a rank that drifted out of step raises instead of
+generating for other requests.
 """
+import zlib
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional
 
@@ -42,6 +48,13 @@ class _LaggedFlag:
         self._event.record()
         self._slot = 1 - self._slot
         return previous
+
+
+def _step_fingerprint(layout) -> List[int]:
+    """(requests, tokens, CRC-32 of the (request id, query length) pairs) of a dynamic step: equal on every
+    rank that is in step (checked by `broadcast_sampled_tokens`)."""
+    pairs = repr(list(zip(layout.request_ids, layout.query_lengths))).encode()
+    return [len(layout.request_ids), sum(layout.query_lengths), zlib.crc32(pairs)]
 
 
 class TextGenerationController:
@@ -82,14 +95,18 @@ class TextGenerationController:
     def sample_from_logits(self, last_token_logits: torch.Tensor, sampling_params: Optional[SamplingParams] = None,
                            vocab_size: Optional[int] = None, generator: Optional[torch.Generator] = None,
                            **kwargs) -> torch.Tensor:
-        """Next tokens [b] from logits [b, V] (greedy / temperature / top-k / top-p), equal on all TP ranks."""
+        """Next tokens [b] from logits [b, V] (greedy / temperature / top-k / top-p), equal on all ranks."""
         if sampling_params is None:
             sampling_params = SamplingParams(**kwargs)
+        return self._sample(last_token_logits, sampling_params, vocab_size, generator)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, vocab_size: Optional[int] = None,
+                generator: Optional[torch.Generator] = None, step_fingerprint: Optional[List[int]] = None):
+        """Tokens [b] sampled from `logits` [b, V], those of the last stage's TP rank 0 on every rank."""
         if vocab_size is None:
             vocab_size = getattr(self.tokenizer, "vocab_size", None)
-        tokens = sample_from_logits(last_token_logits, sampling_params.top_k, sampling_params.top_p,
-                                    sampling_params.temperature, vocab_size, generator)
-        return self.inference_wrapped_model.broadcast_from_first_tp_rank(tokens)
+        tokens = sample_from_logits(logits, params.top_k, params.top_p, params.temperature, vocab_size, generator)
+        return self.inference_wrapped_model.broadcast_sampled_tokens(tokens, step_fingerprint)
 
     def _top_n(self, log_probs: torch.Tensor, n: int) -> List[Dict[str, float]]:
         values, indices = torch.topk(log_probs, n, dim=-1)
@@ -213,7 +230,7 @@ class TextGenerationController:
                                                "attention_mask": None})
         if not context.materialize_only_last_token_logits and context.step_layout.graph_key is None:
             logits = logits[:, context.step_layout.last_token_index]  # [1, T, V] -> [1, R, V]
-        sampled = self.sample_from_logits(logits[0], sampling_params)
+        sampled = self._sample(logits[0], sampling_params, step_fingerprint=_step_fingerprint(context.step_layout))
         scheduled = context.step_layout.request_ids
         sampling = set(context.sampling_request_ids())
         finished = context.update_requests(sampled, termination_id)
