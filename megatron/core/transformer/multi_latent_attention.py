@@ -10,6 +10,11 @@ Per layer (n heads, q_head_dim = qk_head_dim + qk_pos_emb_head_dim = d_nope + d_
 - query = [q_nope | rope(q_pe)], key = [k_nope | rope(k_pe)], softmax scale m^2 / sqrt(q_head_dim) with
   m = yarn_get_mscale(rotary_scaling_factor, mscale); `linear_proj` (n*v_head_dim -> H).
 
+Inference: with a static or dynamic inference context, this layer rotates q_pe / k_pe itself at the positions of
+the forward's tokens (`inference_context.token_positions`: the cache offset onwards, YaRN mscale included) and
+hands the per-head query, key (q_head_dim) and value (v_head_dim) to `inference_context.attend` with MLA's
+softmax scale; the contexts cache the decompressed per-head keys and values (as Megatron does).
+
 Tensor parallelism: heads are split over TP. The down projections are column-parallel too; their outputs are
 all-gathered over TP (and, under sequence parallelism, the latents are scattered back to sequence shards). The
 k_pe slice is then one replicated tensor that every TP rank uses for its own heads, so its gradient is summed
@@ -159,12 +164,27 @@ class MultiLatentAttention(Attention):
     ):
         """[s, b, h] (or [s/tp, b, h] under SP) -> (output, output bias or None); the model's rotary_pos_emb is
         ignored (MLA owns its rotary embedding)."""
-        if inference_context is not None or inference_params is not None:
-            raise ValueError("multi-latent attention does not support inference KV caches here.")
+        inference_context = inference_context if inference_context is not None else inference_params
         angles, mscale = self._rotary_angles(hidden_states, inference_context, packed_seq_params)
+        if inference_context is not None:
+            return self._forward_with_cache(hidden_states, inference_context, angles, mscale)
         query, key, value = self.get_query_key_value_tensors(hidden_states, angles, mscale)
         core_attn_out = self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
                                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        return self.linear_proj(core_attn_out)
+
+    def _forward_with_cache(self, hidden_states, inference_context, angles, mscale):
+        """[s, b, h] of new tokens -> (output, bias): keys/values cached by the context, attention over the cache.
+
+        `angles` covers positions 0..max_sequence_length-1; the new tokens take the rows of their positions."""
+        if self.config.sequence_parallel:
+            raise ValueError("multi-latent attention with an inference context does not support "
+                             "--sequence-parallel: drop the flag when serving")
+        positions = inference_context.token_positions(hidden_states.shape[0], hidden_states.device)
+        step_angles = angles.index_select(0, positions.to(angles.device))  # [s, 1, 1, d_r]
+        query, key, value = self.get_query_key_value_tensors(hidden_states, step_angles, mscale)
+        core_attn_out = inference_context.attend(self.layer_number, query, key, value, None, self.softmax_scale,
+                                                 self.config)
         return self.linear_proj(core_attn_out)
 
 

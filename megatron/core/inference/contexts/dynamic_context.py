@@ -66,6 +66,17 @@ class ChunkOverflowError(ContextOverflowError):
     """Not enough free chunks."""
 
 
+def kv_cache_dims(config) -> tuple:
+    """(key/value heads, key head dim, value head dim) a model's attention layers cache (before TP).
+
+    Multi-latent attention caches every head's decompressed key (qk_head_dim + qk_pos_emb_head_dim) and value
+    (v_head_dim); other attention caches num_query_groups heads of kv_channels."""
+    if getattr(config, "multi_latent_attention", False):
+        return (config.num_attention_heads, config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
+    heads = config.num_query_groups or config.num_attention_heads
+    return heads, config.kv_channels, config.kv_channels
+
+
 def _round_up(value: float, multiple: int) -> int:
     return int(math.ceil(int(value) / multiple) * multiple)
 
@@ -456,6 +467,7 @@ class DynamicInferenceContext(BaseInferenceContext):
 
 __all__ = [
     "DynamicInferenceContext",
+    "kv_cache_dims",
     "ContextOverflowError",
     "RequestOverflowError",
     "TokenOverflowError",
