@@ -133,6 +133,18 @@ def test_hybrid_mamba_dynamic_equals_full_recompute():
     _check_dynamic(model, prompts, [9, 4, 12, 3, 7], {0: [0, 1], 2: [2], 3: [3, 4]})
 
 
+def mla_tp_generate(tp: int):
+    """Static and dynamic greedy tokens of the DeepSeek-V3-shaped model on this rank's TP shard, and the shard's
+    query up-projection rows (run by `test_engines.py`'s TP launch against TP=1)."""
+    model, tok = build_mla_model(tp=tp), T.tokenizer()
+    prompts = T.prompts(3, [4, 11, 7], seed=5)
+    static = [r.generated_tokens for r in T.static_engine(model).generate([tok.detokenize(p) for p in prompts],
+                                                                          sampling_params=_greedy())]
+    dynamic = [r.generated_tokens for r in dynamic_engine(model, tp=tp).generate(prompts, _greedy())]
+    rows = model.decoder.layers[0].self_attention.linear_q_up_proj.weight.shape[0]  # 4 heads of 10, / TP
+    return {"mla_static": static, "mla_dynamic": dynamic}, rows
+
+
 def test_kv_cache_dims_and_value_channels():
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, kv_cache_dims
 
