@@ -67,7 +67,23 @@ def build_hybrid_model():
     return model.eval()
 
 
-def dynamic_engine(model, tp: int = 1, max_requests: int = 4):
+def static_engine(model, cache_mla_latents: bool = False):
+    """A static engine whose context caches MLA latents when asked (`T.static_engine` builds the default one)."""
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+    from megatron.core.inference.engines.static_engine import StaticInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    config = T.wrapper_config()
+    context = StaticInferenceContext(config.inference_max_requests, config.inference_max_seq_length,
+                                     cache_mla_latents=cache_mla_latents)
+    wrapped = GPTInferenceWrapper(model, config, inference_context=context)
+    return StaticInferenceEngine(TextGenerationController(wrapped, T.tokenizer()))
+
+
+def dynamic_engine(model, tp: int = 1, max_requests: int = 4, cache_mla_latents: bool = False):
     """A dynamic engine over `model` whose context is sized by `kv_cache_dims(model.config)`."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, kv_cache_dims
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
@@ -76,12 +92,13 @@ def dynamic_engine(model, tp: int = 1, max_requests: int = 4):
         TextGenerationController,
     )
 
-    heads, key_channels, value_channels = kv_cache_dims(model.config)
+    heads, key_channels, value_channels = kv_cache_dims(model.config, cache_mla_latents)
     context = DynamicInferenceContext(
         params_dtype=torch.float32, num_layers=model.config.num_layers, kv_channels=key_channels,
         num_attention_heads=heads, max_sequence_length=T.MAX_SEQ, buffer_size_gb=0.0005,
         buffer_guaranteed_fraction=0.1, chunk_size_tokens=8, max_requests_override=max_requests,
         max_tokens_override=64, tensor_model_parallel_size=tp, value_channels=value_channels,
+        cache_mla_latents=cache_mla_latents,
     )
     wrapped = GPTInferenceWrapper(model, T.wrapper_config(), inference_context=context)
     return DynamicInferenceEngine(TextGenerationController(wrapped, T.tokenizer()), context,
@@ -100,11 +117,12 @@ def _run_mid_flight(engine, prompts, budgets, arrivals):
     return done
 
 
-def _check_dynamic(model, prompts, budgets, arrivals):
+def _check_dynamic(model, prompts, budgets, arrivals, **kw):
     expected = [T.reference_greedy(model, p, n) for p, n in zip(prompts, budgets)]
-    alone = [dynamic_engine(model).generate([p], _greedy(n))[0].generated_tokens for p, n in zip(prompts, budgets)]
+    alone = [dynamic_engine(model, **kw).generate([p], _greedy(n))[0].generated_tokens
+             for p, n in zip(prompts, budgets)]
     assert alone == expected
-    engine = dynamic_engine(model, max_requests=4)
+    engine = dynamic_engine(model, max_requests=4, **kw)
     done = _run_mid_flight(engine, prompts, budgets, arrivals)
     assert [done[i] for i in range(len(prompts))] == expected
     context = engine.context
@@ -112,18 +130,24 @@ def _check_dynamic(model, prompts, budgets, arrivals):
     assert sorted(context._free_mamba_slots) == list(range(context.max_requests))  # every slot back
 
 
-@pytest.mark.parametrize("q_lora_rank", [8, None])
-def test_mla_static_and_dynamic_greedy_equal_full_recompute(q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank,latents", [(8, False), (None, False), (8, True), (None, True)])
+def test_mla_static_and_dynamic_greedy_equal_full_recompute(q_lora_rank, latents):
     init_single_rank()
     model, tok = build_mla_model(q_lora_rank), T.tokenizer()
     prompts = T.prompts(3, [3, 11, 6])
-    results = T.static_engine(model).generate(prompts=[tok.detokenize(p) for p in prompts],
-                                              sampling_params=_greedy())
+    static = static_engine(model, latents)
+    results = static.generate(prompts=[tok.detokenize(p) for p in prompts], sampling_params=_greedy())
+    key, value = static.text_generation_controller.inference_wrapped_model.inference_context.key_value_memory_dict[1]
+    assert (key.shape[2:], value.shape[2:]) == (((1, 12), (1, 8)) if latents else ((4, 10), (4, 8)))
     expected = [T.reference_greedy(model, p, NEW) for p in prompts]
     assert [r.generated_tokens for r in results] == expected
-    assert [r.generated_tokens for r in dynamic_engine(model).generate(prompts, _greedy())] == expected
+    engine = dynamic_engine(model, cache_mla_latents=latents)
+    assert [r.generated_tokens for r in engine.generate(prompts, _greedy())] == expected
+    # per token and layer: one head of key [latent 8 | k_pe 4] and value latent 8, or 4 heads of 10 and 8
+    assert engine.context.memory_buffer.shape[-2:] == ((1, 12) if latents else (4, 10))
     if q_lora_rank is not None:  # requests joining mid-flight, one in chunked prefill (70 > 64 tokens a step)
-        _check_dynamic(model, T.prompts(5, [5, 70, 2, 13, 9]), [9, 4, 12, 3, 7], {0: [0, 1], 2: [2], 3: [3, 4]})
+        _check_dynamic(model, T.prompts(5, [5, 70, 2, 13, 9]), [9, 4, 12, 3, 7], {0: [0, 1], 2: [2], 3: [3, 4]},
+                       cache_mla_latents=latents)
 
 
 def test_hybrid_mamba_dynamic_equals_full_recompute():
@@ -141,8 +165,10 @@ def mla_tp_generate(tp: int):
     static = [r.generated_tokens for r in T.static_engine(model).generate([tok.detokenize(p) for p in prompts],
                                                                           sampling_params=_greedy())]
     dynamic = [r.generated_tokens for r in dynamic_engine(model, tp=tp).generate(prompts, _greedy())]
+    latent = [r.generated_tokens for r in dynamic_engine(model, tp=tp, cache_mla_latents=True).generate(
+        prompts, _greedy())]
     rows = model.decoder.layers[0].self_attention.linear_q_up_proj.weight.shape[0]  # 4 heads of 10, / TP
-    return {"mla_static": static, "mla_dynamic": dynamic}, rows
+    return {"mla_static": static, "mla_dynamic": dynamic, "mla_latent": latent}, rows
 
 
 def test_kv_cache_dims_and_value_channels():
@@ -150,7 +176,7 @@ def test_kv_cache_dims_and_value_channels():
 
     init_single_rank()
     model = build_mla_model()
-    assert kv_cache_dims(model.config) == (4, 10, 8)
+    assert kv_cache_dims(model.config) == (4, 10, 8) and kv_cache_dims(model.config, True) == (1, 12, 8)
     ctx = DynamicInferenceContext(torch.float32, num_layers=2, kv_channels=10, num_attention_heads=4,
                                   max_sequence_length=64, buffer_size_gb=0.001, buffer_guaranteed_fraction=0.1,
                                   chunk_size_tokens=16, value_channels=6)

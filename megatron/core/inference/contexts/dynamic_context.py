@@ -9,7 +9,9 @@ to the allocator). A request that needs a new chunk while memory is short is pau
 resumed when chunks free up.
 
 Key and value head dims may differ (`value_channels`, multi-latent attention: keys q_head_dim, values
-v_head_dim): the buffer's last axis is the larger one and each side uses its leading part. Layers that rotate
+v_head_dim): the buffer's last axis is the larger one and each side uses its leading part. With
+`cache_mla_latents` multi-latent attention layers cache their compressed latent instead (see
+`multi_latent_attention.py`): `num_attention_heads` is then the one latent head, the same on every TP rank. Layers that rotate
 their own keys read the step's token positions from `token_positions`.
 
 Mamba layers of hybrid models keep per-request recurrent states instead of paged keys/values: each admitted
@@ -66,12 +68,16 @@ class ChunkOverflowError(ContextOverflowError):
     """Not enough free chunks."""
 
 
-def kv_cache_dims(config) -> tuple:
+def kv_cache_dims(config, cache_mla_latents: bool = False) -> tuple:
     """(key/value heads, key head dim, value head dim) a model's attention layers cache (before TP).
 
     Multi-latent attention caches every head's decompressed key (qk_head_dim + qk_pos_emb_head_dim) and value
-    (v_head_dim); other attention caches num_query_groups heads of kv_channels."""
+    (v_head_dim), or with `cache_mla_latents` one head (replicated over TP) of key [latent | k_pe]
+    (kv_lora_rank + qk_pos_emb_head_dim) and value latent (kv_lora_rank); other attention caches
+    num_query_groups heads of kv_channels."""
     if getattr(config, "multi_latent_attention", False):
+        if cache_mla_latents:
+            return 1, config.kv_lora_rank + config.qk_pos_emb_head_dim, config.kv_lora_rank
         return (config.num_attention_heads, config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
     heads = config.num_query_groups or config.num_attention_heads
     return heads, config.kv_channels, config.kv_channels
@@ -133,9 +139,11 @@ class DynamicInferenceContext(BaseInferenceContext):
         materialize_only_last_token_logits: bool = True,
         device: Optional[torch.device] = None,
         value_channels: Optional[int] = None,
+        cache_mla_latents: bool = False,
     ):
         super().__init__(materialize_only_last_token_logits)
-        tp = 1 if tensor_model_parallel_size is None else tensor_model_parallel_size
+        self.cache_mla_latents = cache_mla_latents
+        tp = 1 if tensor_model_parallel_size is None or cache_mla_latents else tensor_model_parallel_size
         if num_attention_heads % tp:
             raise ValueError(f"num_attention_heads ({num_attention_heads}) of the dynamic context (the key/value "
                              f"heads) must be divisible by the tensor-parallel size ({tp})")

@@ -6,7 +6,8 @@ Per layer the cache is `key_value_memory_dict[layer_number] = (K, V)`, K
 `[max_sequence_length, max_batch_size, num_query_groups / TP, key head dim]` and V the same with the value
 head dim (they differ for multi-latent attention: q_head_dim vs v_head_dim), allocated at the first forward.
 The caller advances `sequence_len_offset` after each forward. `token_positions` gives the positions of a
-forward's tokens to layers that rotate their own keys (multi-latent attention).
+forward's tokens to layers that rotate their own keys (multi-latent attention); with `cache_mla_latents`
+multi-latent attention layers cache their compressed latent (one head) instead of per-head keys/values.
 
 Static-shape decode (CUDA graphs, `megatron.core.inference.decode_graphs`): while `static_decode` is on, a
 one-column forward of `b` rows reads the column from the device tensor `decode_position` [1] instead of
@@ -27,8 +28,10 @@ from megatron.core.inference.decode_graphs import batch_bucket
 class StaticInferenceContext(BaseInferenceContext):
     """Per-layer key/value memory plus the current batch and sequence offsets."""
 
-    def __init__(self, max_batch_size: int, max_sequence_length: int, materialize_only_last_token_logits: bool = True):
+    def __init__(self, max_batch_size: int, max_sequence_length: int, materialize_only_last_token_logits: bool = True,
+                 cache_mla_latents: bool = False):
         super().__init__(materialize_only_last_token_logits)
+        self.cache_mla_latents = cache_mla_latents
         self._max_sequence_length = max_sequence_length
         self.max_batch_size = max_batch_size
         self.current_batch_size = max_batch_size
