@@ -122,12 +122,15 @@ def _check_dynamic(model, prompts, budgets, arrivals, **kw):
     alone = [dynamic_engine(model, **kw).generate([p], _greedy(n))[0].generated_tokens
              for p, n in zip(prompts, budgets)]
     assert alone == expected
-    engine = dynamic_engine(model, max_requests=4, **kw)
-    done = _run_mid_flight(engine, prompts, budgets, arrivals)
-    assert [done[i] for i in range(len(prompts))] == expected
-    context = engine.context
-    assert context.chunk_allocator.chunk_count_avail == context.chunk_allocator.chunk_count_total - 1
-    assert sorted(context._free_mamba_slots) == list(range(context.max_requests))  # every slot back
+    for graphs in (False, True):  # graphs: decode-only steps in the static-shape (CUDA-graph) layout, eager on CPU
+        engine = dynamic_engine(model, max_requests=4, **kw)
+        engine.controller.inference_wrapped_model.set_decode_graphs(graphs)
+        done = _run_mid_flight(engine, prompts, budgets, arrivals)
+        assert [done[i] for i in range(len(prompts))] == expected
+        context = engine.context
+        assert context.chunk_allocator.chunk_count_avail == context.chunk_allocator.chunk_count_total - 1
+        assert sorted(context._free_mamba_slots) == list(range(context.max_requests))  # every slot back
+    assert engine.controller.inference_wrapped_model.decode_graphs.eager_calls > 0
 
 
 @pytest.mark.parametrize("q_lora_rank,latents", [(8, False), (None, False), (8, True), (None, True)])
@@ -140,6 +143,9 @@ def test_mla_static_and_dynamic_greedy_equal_full_recompute(q_lora_rank, latents
     key, value = static.text_generation_controller.inference_wrapped_model.inference_context.key_value_memory_dict[1]
     assert (key.shape[2:], value.shape[2:]) == (((1, 12), (1, 8)) if latents else ((4, 10), (4, 8)))
     expected = [T.reference_greedy(model, p, NEW) for p in prompts]
+    assert [r.generated_tokens for r in results] == expected
+    static.text_generation_controller.inference_wrapped_model.set_decode_graphs(True)  # graph-safe decode, eager
+    results = static.generate(prompts=[tok.detokenize(p) for p in prompts], sampling_params=_greedy())
     assert [r.generated_tokens for r in results] == expected
     engine = dynamic_engine(model, cache_mla_latents=latents)
     assert [r.generated_tokens for r in engine.generate(prompts, _greedy())] == expected
