@@ -15,11 +15,11 @@ the forward's tokens (`inference_context.token_positions`: the cache offset onwa
 hands the per-head query, key (q_head_dim) and value (v_head_dim) to `inference_context.attend` with MLA's
 softmax scale; the contexts cache the decompressed per-head keys and values (as Megatron does).
 A context built with `cache_mla_latents=True` caches DeepSeek's compressed form instead: ONE key head
-[normed kv latent | rope(k_pe)] (kv_lora_rank + d_r) with the latent as its value (kv_lora_rank), the same on
-every TP rank, and the layer attends with absorbed projections: q_nope is mapped into latent space through
+[normed kv latent | rope(k_pe)] (kv_lora_rank + d_r) whose leading kv_lora_rank channels (the latent) are
+also the value (the contexts keep them once), the same on every TP rank, and the layer attends with absorbed projections: q_nope is mapped into latent space through
 the k_nope rows of `linear_kv_up_proj` (q_nope . W_uk c = q_nope . k_nope), and the attention output (a latent
-per head) is mapped to values through its v rows. Per token and layer that caches 2 * kv_lora_rank + d_r
-numbers instead of n * (q_head_dim + v_head_dim).
+per head) is mapped to values through its v rows. Per token and layer that caches kv_lora_rank + d_r
+numbers instead of n * (q_head_dim + v_head_dim) (DeepSeek-V3: 576 instead of 40960).
 
 Tensor parallelism: heads are split over TP. The down projections are column-parallel too; their outputs are
 all-gathered over TP (and, under sequence parallelism, the latents are scattered back to sequence shards). The
@@ -301,7 +301,8 @@ class MLASelfAttention(MultiLatentAttention):
 
     def latent_query_key_value(self, hidden_states, angles, mscale=1.0):
         """The absorbed form for a latent cache: query [s, b, n/tp, c + d_r] (q_nope mapped to latent space |
-        rope(q_pe)), key [s, b, 1, c + d_r] (normed latent | rope(k_pe)), value [s, b, 1, c] (the latent)."""
+        rope(q_pe)), key [s, b, 1, c + d_r] (normed latent | rope(k_pe)), value [s, b, 1, c]: the latent, a view
+        of the key's leading channels."""
         cfg = self.config
         heads = self.num_attention_heads_per_partition
         q_input = self._query_input(hidden_states)
@@ -316,7 +317,7 @@ class MLASelfAttention(MultiLatentAttention):
         q_latent = torch.einsum("sbnq,nqc->sbnc", q_no_pe, w_uk.to(q_no_pe.dtype))
         query = torch.cat([q_latent, apply_mla_rotary(q_pos_emb, angles, mscale)], dim=-1)
         key = torch.cat([latent, k_pos_emb.to(latent.dtype)], dim=-1)
-        return query.contiguous(), key.contiguous(), latent.contiguous()
+        return query.contiguous(), key, key[..., :cfg.kv_lora_rank]
 
     def values_from_latent(self, latent_out):
         """Attention output in latent space [s, b, n/tp * c] -> per-head values [s, b, n/tp * v_head_dim]."""

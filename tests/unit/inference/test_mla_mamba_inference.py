@@ -149,8 +149,9 @@ def test_mla_static_and_dynamic_greedy_equal_full_recompute(q_lora_rank, latents
     assert [r.generated_tokens for r in results] == expected
     engine = dynamic_engine(model, cache_mla_latents=latents)
     assert [r.generated_tokens for r in engine.generate(prompts, _greedy())] == expected
-    # per token and layer: one head of key [latent 8 | k_pe 4] and value latent 8, or 4 heads of 10 and 8
-    assert engine.context.memory_buffer.shape[-2:] == ((1, 12) if latents else (4, 10))
+    # per token and layer: one head of key [latent 8 | k_pe 4] (the value: its latent), or 4 heads of 10 and 8
+    shape = engine.context.memory_buffer.shape
+    assert (shape[0],) + tuple(shape[-2:]) == ((1, 1, 12) if latents else (2, 4, 10))
     if q_lora_rank is not None:  # requests joining mid-flight, one in chunked prefill (70 > 64 tokens a step)
         _check_dynamic(model, T.prompts(5, [5, 70, 2, 13, 9]), [9, 4, 12, 3, 7], {0: [0, 1], 2: [2], 3: [3, 4]},
                        cache_mla_latents=latents)
@@ -187,3 +188,25 @@ def test_kv_cache_dims_and_value_channels():
                                   max_sequence_length=64, buffer_size_gb=0.001, buffer_guaranteed_fraction=0.1,
                                   chunk_size_tokens=16, value_channels=6)
     assert ctx.memory_buffer.shape[-1] == 10 and ctx.chunk_size_bytes == 4 * 2 * 2 * 16 * 4 * 10
+
+
+def test_latent_contexts_keep_values_inside_keys():
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+    init_single_rank()
+    ctx = StaticInferenceContext(max_batch_size=2, max_sequence_length=8, cache_mla_latents=True)
+    key = torch.randn(3, 2, 1, 6)
+    query = torch.randn(3, 2, 4, 6)
+    ctx.attend(1, query, key, key[..., :4], None, 0.5, None)
+    cached_key, cached_value = ctx.key_value_memory_dict[1]
+    assert cached_value.data_ptr() == cached_key.data_ptr() and cached_value.shape[-1] == 4
+    ctx.swap_key_value_dict(torch.tensor([1, 0]))
+    cached_key, cached_value = ctx.key_value_memory_dict[1]
+    assert cached_value.data_ptr() == cached_key.data_ptr() and torch.equal(cached_key[:3, 0], key[:, 1])
+    with pytest.raises(ValueError, match="cache_mla_latents"):  # ordinary attention: values are not in keys
+        ctx.attend(1, query, key, key[..., :4].clone(), None, 0.5, None)
+    llama = T.build_model("llama")
+    engine = T.dynamic_engine(llama)
+    engine.context.cache_mla_latents = True
+    with pytest.raises(ValueError, match="cache_mla_latents"):
+        engine.generate([[1, 2, 3]], _greedy(2))

@@ -11,7 +11,10 @@ resumed when chunks free up.
 Key and value head dims may differ (`value_channels`, multi-latent attention: keys q_head_dim, values
 v_head_dim): the buffer's last axis is the larger one and each side uses its leading part. With
 `cache_mla_latents` multi-latent attention layers cache their compressed latent instead (see
-`multi_latent_attention.py`): `num_attention_heads` is then the one latent head, the same on every TP rank. Layers that rotate
+`multi_latent_attention.py`): `num_attention_heads` is then the one latent head, the same on every TP rank,
+and as the value is the key's leading part ([latent | k_pe]) the buffer holds keys only:
+`memory_buffer [1, num_layers, chunk_count, chunk_size_tokens, 1, kv_lora_rank + d_r]` (bytes per chunk
+accordingly). Layers that rotate
 their own keys read the step's token positions from `token_positions`.
 
 Mamba layers of hybrid models keep per-request recurrent states instead of paged keys/values: each admitted
@@ -44,7 +47,7 @@ import torch
 
 from megatron.core.inference.contexts.base_context import BaseInferenceContext
 from megatron.core.inference.contexts.dynamic_chunk_allocator import ChunkAllocator
-from megatron.core.inference.contexts.kv_attention import attend_padded, rotary_table, rotate
+from megatron.core.inference.contexts.kv_attention import attend_padded, check_value_in_key, rotary_table, rotate
 from megatron.core.inference.decode_graphs import batch_bucket
 
 
@@ -154,8 +157,9 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.key_channels = kv_channels
         self.value_channels = kv_channels if value_channels is None else value_channels
         head_dim = max(self.key_channels, self.value_channels)
+        planes = 1 if cache_mla_latents else 2  # latents: the values live in the keys
         dtype_bytes = torch.tensor([], dtype=params_dtype).element_size()
-        self.chunk_size_bytes = dtype_bytes * 2 * num_layers * chunk_size_tokens * heads * head_dim
+        self.chunk_size_bytes = dtype_bytes * planes * num_layers * chunk_size_tokens * heads * head_dim
         buffer_bytes = int(buffer_size_gb * 1024 ** 3) // self.chunk_size_bytes * self.chunk_size_bytes
         chunk_count_total = buffer_bytes // self.chunk_size_bytes
         self.max_tokens = chunk_count_total * chunk_size_tokens
@@ -181,7 +185,7 @@ class DynamicInferenceContext(BaseInferenceContext):
             )
         self.chunk_allocator = ChunkAllocator(chunk_count_total, self.gtd_chunk_count)
         self.memory_buffer = torch.full(
-            (2, num_layers, chunk_count_total, chunk_size_tokens, heads, head_dim), -1,
+            (planes, num_layers, chunk_count_total, chunk_size_tokens, heads, head_dim), -1,
             dtype=params_dtype, device=device,
         )
         self.mamba_states = {}
@@ -421,6 +425,10 @@ class DynamicInferenceContext(BaseInferenceContext):
             raise ValueError(f"the dynamic context holds keys of {self.key_channels} and values of "
                              f"{self.value_channels} channels per head; this layer gives {key.shape[-1]} and "
                              f"{value.shape[-1]}: build the context with kv_channels / value_channels of the model")
+        if self.cache_mla_latents:
+            check_value_in_key(key, value)
+            k_memory = self.memory_buffer[0, layer_number - 1]
+            return k_memory, k_memory[..., :self.value_channels]
         k_memory, v_memory = self.memory_buffer[0, layer_number - 1], self.memory_buffer[1, layer_number - 1]
         if self.key_channels != head_dim:
             k_memory = k_memory[..., :self.key_channels]
@@ -444,7 +452,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         query, key = rotate(query, key, None if table is None else table[layout.positions], config)
         k_memory, v_memory = self._layer_memory(layer_number, key, value)
         k_memory[layout.write_chunks, layout.write_offsets] = key[:, 0].to(k_memory.dtype)
-        v_memory[layout.write_chunks, layout.write_offsets] = value[:, 0].to(v_memory.dtype)
+        if not self.cache_mla_latents:
+            v_memory[layout.write_chunks, layout.write_offsets] = value[:, 0].to(v_memory.dtype)
         rows = layout.chunk_table.shape[0]
         if layout.allowed is None:
             return self._attend_static_decode(query, k_memory, v_memory, layout, softmax_scale)

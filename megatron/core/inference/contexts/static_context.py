@@ -7,7 +7,9 @@ Per layer the cache is `key_value_memory_dict[layer_number] = (K, V)`, K
 head dim (they differ for multi-latent attention: q_head_dim vs v_head_dim), allocated at the first forward.
 The caller advances `sequence_len_offset` after each forward. `token_positions` gives the positions of a
 forward's tokens to layers that rotate their own keys (multi-latent attention); with `cache_mla_latents`
-multi-latent attention layers cache their compressed latent (one head) instead of per-head keys/values.
+multi-latent attention layers cache their compressed latent (one head) instead of per-head keys/values:
+the layer's value is the leading part of its key ([latent | k_pe]), so only K is allocated and V is a view
+of its leading channels.
 
 Static-shape decode (CUDA graphs, `megatron.core.inference.decode_graphs`): while `static_decode` is on, a
 one-column forward of `b` rows reads the column from the device tensor `decode_position` [1] instead of
@@ -21,7 +23,7 @@ from typing import Dict, Tuple
 import torch
 
 from megatron.core.inference.contexts.base_context import BaseInferenceContext
-from megatron.core.inference.contexts.kv_attention import attend_padded, rotary_table, rotate
+from megatron.core.inference.contexts.kv_attention import attend_padded, check_value_in_key, rotary_table, rotate
 from megatron.core.inference.decode_graphs import batch_bucket
 
 
@@ -76,7 +78,9 @@ class StaticInferenceContext(BaseInferenceContext):
         if not self.key_value_memory_dict:
             raise ValueError("swap_key_value_dict: the key/value cache is empty")
         for layer_number, (key, value) in self.key_value_memory_dict.items():
-            self.key_value_memory_dict[layer_number] = (key[:, batch_idx], value[:, batch_idx])
+            key = key[:, batch_idx]
+            value = key[..., :value.shape[-1]] if self.cache_mla_latents else value[:, batch_idx]
+            self.key_value_memory_dict[layer_number] = (key, value)
 
     def reset(self) -> None:
         """Start a new batch: offsets back to 0, cache kept allocated."""
@@ -90,10 +94,28 @@ class StaticInferenceContext(BaseInferenceContext):
         if memory is None or memory[0].dtype != key.dtype or memory[0].device != key.device or \
                 memory[0].shape[2:] != key.shape[2:] or memory[1].shape[2:] != value.shape[2:]:
             rows = (self.max_sequence_length, self.max_batch_size)
-            memory = (torch.zeros(rows + tuple(key.shape[2:]), dtype=key.dtype, device=key.device),
-                      torch.zeros(rows + tuple(value.shape[2:]), dtype=key.dtype, device=key.device))
+            key_memory = torch.zeros(rows + tuple(key.shape[2:]), dtype=key.dtype, device=key.device)
+            if self.cache_mla_latents:  # the values are the keys' leading channels
+                value_memory = key_memory[..., :value.shape[-1]]
+            else:
+                value_memory = torch.zeros(rows + tuple(value.shape[2:]), dtype=key.dtype, device=key.device)
+            memory = (key_memory, value_memory)
             self.key_value_memory_dict[layer_number] = memory
         return memory
+
+    def _store(self, layer_number, key, value, columns, rows):
+        """Write this forward's keys/values at `columns` (a slice, or a device index tensor) of `rows`;
+        returns the layer's (K, V) memory. Under cache_mla_latents only the keys are written."""
+        if self.cache_mla_latents:
+            check_value_in_key(key, value)
+        key_memory, value_memory = self._memory(layer_number, key, value)
+        pairs = ((key_memory, key),) if self.cache_mla_latents else ((key_memory, key), (value_memory, value))
+        for memory, new in pairs:
+            if isinstance(columns, slice):
+                memory[columns, rows] = new
+            else:
+                memory[:, rows].index_copy_(0, columns, new)
+        return key_memory, value_memory
 
     def token_positions(self, num_tokens: int, device) -> torch.Tensor:
         """Positions [s] of the columns this forward feeds (the device `decode_position` under static decode)."""
@@ -119,9 +141,7 @@ class StaticInferenceContext(BaseInferenceContext):
             )
         table = rotary_table(rotary_pos_emb)
         query, key = rotate(query, key, None if table is None else table[start:end], config)
-        key_memory, value_memory = self._memory(layer_number, key, value)
-        key_memory[start:end, rows] = key
-        value_memory[start:end, rows] = value
+        key_memory, value_memory = self._store(layer_number, key, value, slice(start, end), rows)
         keys, values = key_memory[:end, rows], value_memory[:end, rows]  # [end, b, ng, hn]
         allowed = None
         if sq > 1:  # column start + i sees columns 0 .. start + i
@@ -150,9 +170,7 @@ class StaticInferenceContext(BaseInferenceContext):
         position = self.decode_position
         table = rotary_table(rotary_pos_emb)
         query, key = rotate(query, key, None if table is None else table.index_select(0, position), config)
-        key_memory, value_memory = self._memory(layer_number, key, value)
-        key_memory[:, :b].index_copy_(0, position, key)
-        value_memory[:, :b].index_copy_(0, position, value)
+        key_memory, value_memory = self._store(layer_number, key, value, position, slice(0, b))
         window = self.decode_window
         columns = torch.arange(window, device=query.device)
         allowed = (columns <= position).view(1, 1, 1, window)  # [W] -> [1, 1, 1, W]
