@@ -443,6 +443,12 @@ class DynamicInferenceContext(BaseInferenceContext):
         gathered = memory[chunk_table]  # [R, C, c, ng, d]
         return gathered.reshape(rows, chunks * gathered.shape[2], *gathered.shape[3:])  # [R, C, c, ng, d] -> [R, K, ng, d]
 
+    def _gathered_values(self, keys: torch.Tensor, v_memory: torch.Tensor, chunk_table: torch.Tensor):
+        """The rows' values [R, K, ng, hv]: under cache_mla_latents the gathered keys' leading channels."""
+        if self.cache_mla_latents:
+            return keys[..., :self.value_channels]
+        return self._gather_rows(v_memory, chunk_table)
+
     def attend(self, layer_number, query, key, value, rotary_pos_emb, softmax_scale, config):
         """query [T, 1, np, hk], key [T, 1, ng, hk], value [T, 1, ng, hv] -> [T, 1, np * hv]."""
         layout = self.step_layout
@@ -458,7 +464,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         if layout.allowed is None:
             return self._attend_static_decode(query, k_memory, v_memory, layout, softmax_scale)
         keys = self._gather_rows(k_memory, layout.chunk_table)  # [R, K, ng, hk]
-        values = self._gather_rows(v_memory, layout.chunk_table)  # [R, K, ng, hv]
+        values = self._gathered_values(keys, v_memory, layout.chunk_table)  # [R, K, ng, hv]
         padded = query.new_zeros(rows * layout.max_query, query.size(2), query.size(3))
         padded[layout.query_slots] = query[:, 0]
         padded = padded.view(rows, layout.max_query, query.size(2), query.size(3))  # [R*Q, np, hn] -> [R, Q, np, hn]
@@ -471,7 +477,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         rows, chunks = layout.chunk_table.shape
         span = chunks * self.chunk_size_tokens
         keys = self._gather_rows(k_memory, layout.chunk_table)  # [R, K, ng, hk]
-        values = self._gather_rows(v_memory, layout.chunk_table)  # [R, K, ng, hv]
+        values = self._gathered_values(keys, v_memory, layout.chunk_table)  # [R, K, ng, hv]
         key_positions = torch.arange(span, device=query.device)
         allowed = (key_positions[None, :] <= layout.positions[:, None]).view(rows, 1, 1, span)  # [R, K] -> [R, 1, 1, K]
         out = attend_padded(query, keys.to(query.dtype), values.to(query.dtype), allowed, softmax_scale)
