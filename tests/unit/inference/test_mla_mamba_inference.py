@@ -46,7 +46,7 @@ def build_mla_model(q_lora_rank=8, tp: int = 1):
     return model.eval()
 
 
-def build_hybrid_model():
+def build_hybrid_model(mem_eff: bool = True):
     """A 4-layer hybrid Mamba model, pattern "M*M-" (Mamba, attention, Mamba, MLP)."""
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
     from megatron.core.models.mamba.mamba_model import MambaModel
@@ -56,7 +56,7 @@ def build_hybrid_model():
     config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, use_cpu_initialization=True,
                                normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
-                               attention_dropout=0.0, init_method_std=0.3)
+                               attention_dropout=0.0, init_method_std=0.3, use_mamba_mem_eff_path=mem_eff)
     model_parallel_cuda_manual_seed(T.SEED)
     torch.manual_seed(T.SEED)
     model = MambaModel(config, mamba_stack_spec, vocab_size=T.VOCAB, max_sequence_length=T.MAX_SEQ,
@@ -157,10 +157,11 @@ def test_mla_static_and_dynamic_greedy_equal_full_recompute(q_lora_rank, latents
                        cache_mla_latents=latents)
 
 
-def test_hybrid_mamba_dynamic_equals_full_recompute():
+@pytest.mark.parametrize("mem_eff", [True, False])
+def test_hybrid_mamba_dynamic_equals_full_recompute(mem_eff):
     init_single_rank()
-    model = build_hybrid_model()
-    prompts = T.prompts(5, [5, 70, 2, 19, 9], seed=3)
+    model = build_hybrid_model(mem_eff)
+    prompts = T.prompts(5, [5, 70, 1, 19, 9], seed=3)  # a one-token prompt; 70 > 64: chunked prefill
     _check_dynamic(model, prompts, [9, 4, 12, 3, 7], {0: [0, 1], 2: [2], 3: [3, 4]})
 
 
