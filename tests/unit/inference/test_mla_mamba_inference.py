@@ -83,7 +83,7 @@ def static_engine(model, cache_mla_latents: bool = False):
     return StaticInferenceEngine(TextGenerationController(wrapped, T.tokenizer()))
 
 
-def dynamic_engine(model, tp: int = 1, max_requests: int = 4, cache_mla_latents: bool = False):
+def dynamic_engine(model, tp: int = 1, max_requests: int = 4, cache_mla_latents: bool = False, device=None):
     """A dynamic engine over `model` whose context is sized by `kv_cache_dims(model.config)`."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, kv_cache_dims
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
@@ -98,7 +98,7 @@ def dynamic_engine(model, tp: int = 1, max_requests: int = 4, cache_mla_latents:
         num_attention_heads=heads, max_sequence_length=T.MAX_SEQ, buffer_size_gb=0.0005,
         buffer_guaranteed_fraction=0.1, chunk_size_tokens=8, max_requests_override=max_requests,
         max_tokens_override=64, tensor_model_parallel_size=tp, value_channels=value_channels,
-        cache_mla_latents=cache_mla_latents,
+        cache_mla_latents=cache_mla_latents, device=device,
     )
     wrapped = GPTInferenceWrapper(model, T.wrapper_config(), inference_context=context)
     return DynamicInferenceEngine(TextGenerationController(wrapped, T.tokenizer()), context,
@@ -122,6 +122,10 @@ def _check_dynamic(model, prompts, budgets, arrivals, **kw):
     alone = [dynamic_engine(model, **kw).generate([p], _greedy(n))[0].generated_tokens
              for p, n in zip(prompts, budgets)]
     assert alone == expected
+    _check_mid_flight(model, prompts, budgets, arrivals, expected, **kw)
+
+
+def _check_mid_flight(model, prompts, budgets, arrivals, expected, **kw):
     for graphs in (False, True):  # graphs: decode-only steps in the static-shape (CUDA-graph) layout, eager on CPU
         engine = dynamic_engine(model, max_requests=4, **kw)
         engine.controller.inference_wrapped_model.set_decode_graphs(graphs)
@@ -130,7 +134,8 @@ def _check_dynamic(model, prompts, budgets, arrivals, **kw):
         context = engine.context
         assert context.chunk_allocator.chunk_count_avail == context.chunk_allocator.chunk_count_total - 1
         assert sorted(context._free_mamba_slots) == list(range(context.max_requests))  # every slot back
-    assert engine.controller.inference_wrapped_model.decode_graphs.eager_calls > 0
+    runner = engine.controller.inference_wrapped_model.decode_graphs
+    assert (runner.replays if runner.capture else runner.eager_calls) > 0  # CUDA: captured graphs replayed
 
 
 @pytest.mark.parametrize("q_lora_rank,latents", [(8, False), (None, False), (8, True), (None, True)])
@@ -211,3 +216,18 @@ def test_latent_contexts_keep_values_inside_keys():
     engine.context.cache_mla_latents = True
     with pytest.raises(ValueError, match="cache_mla_latents"):
         engine.generate([[1, 2, 3]], _greedy(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["mla", "mla-latent", "hybrid"])
+def test_cuda_graph_dynamic_steps_equal_reference_on_gpu(kind):
+    """On CUDA (Triton SSD kernels for Mamba), eager and graphed dynamic steps give the CPU reference's tokens."""
+    init_single_rank()
+    model = build_hybrid_model() if kind == "hybrid" else build_mla_model()
+    prompts = T.prompts(5, [5, 70, 1, 13, 9], seed=3)
+    budgets = [9, 4, 12, 3, 7]
+    expected = [T.reference_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    model.cuda()
+    _check_mid_flight(model, prompts, budgets, {0: [0, 1], 2: [2], 3: [3, 4]}, expected,
+                      cache_mla_latents=kind == "mla-latent", device=torch.device("cuda"))
