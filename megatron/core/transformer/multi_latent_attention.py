@@ -16,10 +16,11 @@ hands the per-head query, key (q_head_dim) and value (v_head_dim) to `inference_
 softmax scale; the contexts cache the decompressed per-head keys and values (as Megatron does).
 A context built with `cache_mla_latents=True` caches DeepSeek's compressed form instead: ONE key head
 [normed kv latent | rope(k_pe)] (kv_lora_rank + d_r) whose leading kv_lora_rank channels (the latent) are
-also the value (the contexts keep them once), the same on every TP rank, and the layer attends with absorbed projections: q_nope is mapped into latent space through
-the k_nope rows of `linear_kv_up_proj` (q_nope . W_uk c = q_nope . k_nope), and the attention output (a latent
-per head) is mapped to values through its v rows. Per token and layer that caches kv_lora_rank + d_r
-numbers instead of n * (q_head_dim + v_head_dim) (DeepSeek-V3: 576 instead of 40960).
+also the value (the contexts keep them once), the same on every TP rank. The layer then attends with
+absorbed projections: q_nope is mapped into latent space through the k_nope rows of `linear_kv_up_proj`
+(q_nope . W_uk c = q_nope . k_nope), and the attention output (a latent per head) is mapped to values
+through its v rows. Per token and layer that caches kv_lora_rank + d_r numbers instead of
+n * (q_head_dim + v_head_dim) (DeepSeek-V3: 576 instead of 40960).
 
 Tensor parallelism: heads are split over TP. The down projections are column-parallel too; their outputs are
 all-gathered over TP (and, under sequence parallelism, the latents are scattered back to sequence shards). The
@@ -324,7 +325,7 @@ class MLASelfAttention(MultiLatentAttention):
         s, b = latent_out.shape[:2]
         heads = self.num_attention_heads_per_partition
         _, w_uv = self._absorbed_weights()
-        latent_out = latent_out.view(s, b, heads, self.config.kv_lora_rank)  # [s, b, n*c] -> [s, b, n, c]
+        latent_out = latent_out.reshape(s, b, heads, self.config.kv_lora_rank)  # [s, b, n*c] -> [s, b, n, c]
         values = torch.einsum("sbnc,nvc->sbnv", latent_out, w_uv.to(latent_out.dtype))
         return values.reshape(s, b, -1)  # [s, b, n, v] -> [s, b, n*v]
 

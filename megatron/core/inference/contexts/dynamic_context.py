@@ -441,7 +441,8 @@ class DynamicInferenceContext(BaseInferenceContext):
         """The rows' chunks of `memory` [chunks, c, ng, d] laid end to end: [R, C * c, ng, d]."""
         rows, chunks = chunk_table.shape
         gathered = memory[chunk_table]  # [R, C, c, ng, d]
-        return gathered.reshape(rows, chunks * gathered.shape[2], *gathered.shape[3:])  # [R, C, c, ng, d] -> [R, K, ng, d]
+        span = chunks * gathered.shape[2]
+        return gathered.reshape(rows, span, *gathered.shape[3:])  # [R, C, c, ng, d] -> [R, K, ng, d]
 
     def _gathered_values(self, keys: torch.Tensor, v_memory: torch.Tensor, chunk_table: torch.Tensor):
         """The rows' values [R, K, ng, hv]: under cache_mla_latents the gathered keys' leading channels."""
