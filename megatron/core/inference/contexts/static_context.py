@@ -78,8 +78,9 @@ class StaticInferenceContext(BaseInferenceContext):
         if not self.key_value_memory_dict:
             raise ValueError("swap_key_value_dict: the key/value cache is empty")
         for layer_number, (key, value) in self.key_value_memory_dict.items():
+            in_key = value.data_ptr() == key.data_ptr()  # MLA latents: the values are the keys' leading part
             key = key[:, batch_idx]
-            value = key[..., :value.shape[-1]] if self.cache_mla_latents else value[:, batch_idx]
+            value = key[..., :value.shape[-1]] if in_key else value[:, batch_idx]
             self.key_value_memory_dict[layer_number] = (key, value)
 
     def reset(self) -> None:
