@@ -172,7 +172,9 @@ def test_hybrid_mamba_dynamic_equals_full_recompute(mem_eff):
 
 def mla_tp_generate(tp: int):
     """Static and dynamic greedy tokens of the DeepSeek-V3-shaped model on this rank's TP shard, and the shard's
-    query up-projection rows (run by `test_engines.py`'s TP launch against TP=1)."""
+    query up-projection rows (run by `test_engines.py`'s TP launch against TP=1); plus whether the hybrid Mamba
+    model's static and dynamic tokens agree (its SSM parameters are drawn per TP shard, so the tokens
+    themselves differ from TP=1's)."""
     model, tok = build_mla_model(tp=tp), T.tokenizer()
     prompts = T.prompts(3, [4, 11, 7], seed=5)
     static = [r.generated_tokens for r in T.static_engine(model).generate([tok.detokenize(p) for p in prompts],
@@ -181,7 +183,12 @@ def mla_tp_generate(tp: int):
     latent = [r.generated_tokens for r in dynamic_engine(model, tp=tp, cache_mla_latents=True).generate(
         prompts, _greedy())]
     rows = model.decoder.layers[0].self_attention.linear_q_up_proj.weight.shape[0]  # 4 heads of 10, / TP
-    return {"mla_static": static, "mla_dynamic": dynamic, "mla_latent": latent}, rows
+    hybrid = build_hybrid_model()
+    hybrid_static = [r.generated_tokens for r in T.static_engine(hybrid).generate(
+        [tok.detokenize(p) for p in prompts], sampling_params=_greedy())]
+    hybrid_dynamic = [r.generated_tokens for r in dynamic_engine(hybrid, tp=tp).generate(prompts, _greedy())]
+    return {"mla_static": static, "mla_dynamic": dynamic, "mla_latent": latent,
+            "hybrid_static_equals_dynamic": hybrid_static == hybrid_dynamic}, rows
 
 
 def test_kv_cache_dims_and_value_channels():
