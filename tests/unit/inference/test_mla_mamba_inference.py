@@ -84,8 +84,13 @@ def static_engine(model, cache_mla_latents: bool = False):
 
 
 def dynamic_engine(model, tp: int = 1, max_requests: int = 4, cache_mla_latents: bool = False, device=None):
-    """A dynamic engine over `model` whose context is sized by `kv_cache_dims(model.config)`."""
-    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext, kv_cache_dims
+    """A dynamic engine over `model` whose context is sized by `kv_cache_dims(model.config)` and holds keys/values
+    for the model's attention layers only."""
+    from megatron.core.inference.contexts.dynamic_context import (
+        DynamicInferenceContext,
+        attention_layer_numbers,
+        kv_cache_dims,
+    )
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
@@ -98,7 +103,7 @@ def dynamic_engine(model, tp: int = 1, max_requests: int = 4, cache_mla_latents:
         num_attention_heads=heads, max_sequence_length=T.MAX_SEQ, buffer_size_gb=0.0005,
         buffer_guaranteed_fraction=0.1, chunk_size_tokens=8, max_requests_override=max_requests,
         max_tokens_override=64, tensor_model_parallel_size=tp, value_channels=value_channels,
-        cache_mla_latents=cache_mla_latents, device=device,
+        cache_mla_latents=cache_mla_latents, device=device, kv_layer_numbers=attention_layer_numbers(model),
     )
     wrapped = GPTInferenceWrapper(model, T.wrapper_config(), inference_context=context)
     return DynamicInferenceEngine(TextGenerationController(wrapped, T.tokenizer()), context,
@@ -134,6 +139,7 @@ def _check_mid_flight(model, prompts, budgets, arrivals, expected, **kw):
         context = engine.context
         assert context.chunk_allocator.chunk_count_avail == context.chunk_allocator.chunk_count_total - 1
         assert sorted(context._free_mamba_slots) == list(range(context.max_requests))  # every slot back
+        assert context.memory_buffer.shape[1] == len(context.kv_layer_numbers)  # hybrid: the one '*' layer
     runner = engine.controller.inference_wrapped_model.decode_graphs
     assert (runner.replays if runner.capture else runner.eager_calls) > 0  # CUDA: captured graphs replayed
 
@@ -197,6 +203,9 @@ def test_kv_cache_dims_and_value_channels():
     init_single_rank()
     model = build_mla_model()
     assert kv_cache_dims(model.config) == (4, 10, 8) and kv_cache_dims(model.config, True) == (1, 12, 8)
+    from megatron.core.inference.contexts.dynamic_context import attention_layer_numbers
+
+    assert attention_layer_numbers(model) == [1, 2] and attention_layer_numbers(build_hybrid_model()) == [2]
     ctx = DynamicInferenceContext(torch.float32, num_layers=2, kv_channels=10, num_attention_heads=4,
                                   max_sequence_length=64, buffer_size_gb=0.001, buffer_guaranteed_fraction=0.1,
                                   chunk_size_tokens=16, value_channels=6)

@@ -17,6 +17,10 @@ and as the value is the key's leading part ([latent | k_pe]) the buffer holds ke
 accordingly). Layers that rotate
 their own keys read the step's token positions from `token_positions`.
 
+`kv_layer_numbers` (default: every layer 1..num_layers) names the layers that cache keys/values; the buffer
+holds those alone (`memory_buffer[:, i]` is the i-th of them; the sizes count them instead of `num_layers`), so
+a hybrid model gives its attention layers only (`attention_layer_numbers(model)`).
+
 Mamba layers of hybrid models keep per-request recurrent states instead of paged keys/values: each admitted
 request takes a state slot (`mamba_slot`, freed with the request) and every Mamba layer keeps
 `mamba_states[layer_number] = (conv [d_conv, max_requests + 1, conv_dim / TP], ssm [heads / TP,
@@ -41,7 +45,7 @@ attention mask `key position <= query position` is then built on the device, so 
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -49,6 +53,7 @@ from megatron.core.inference.contexts.base_context import BaseInferenceContext
 from megatron.core.inference.contexts.dynamic_chunk_allocator import ChunkAllocator
 from megatron.core.inference.contexts.kv_attention import attend_padded, check_value_in_key, rotary_table, rotate
 from megatron.core.inference.decode_graphs import batch_bucket
+from megatron.core.transformer.attention import Attention
 
 
 class ContextOverflowError(Exception):
@@ -84,6 +89,11 @@ def kv_cache_dims(config, cache_mla_latents: bool = False) -> tuple:
         return (config.num_attention_heads, config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
     heads = config.num_query_groups or config.num_attention_heads
     return heads, config.kv_channels, config.kv_channels
+
+
+def attention_layer_numbers(model) -> List[int]:
+    """The layer numbers of a model's attention layers (those that cache keys/values; a hybrid model's `*`)."""
+    return sorted({module.layer_number for module in model.modules() if isinstance(module, Attention)})
 
 
 def _round_up(value: float, multiple: int) -> int:
@@ -143,6 +153,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         device: Optional[torch.device] = None,
         value_channels: Optional[int] = None,
         cache_mla_latents: bool = False,
+        kv_layer_numbers: Optional[Sequence[int]] = None,
     ):
         super().__init__(materialize_only_last_token_logits)
         self.cache_mla_latents = cache_mla_latents
@@ -152,6 +163,10 @@ class DynamicInferenceContext(BaseInferenceContext):
                              f"heads) must be divisible by the tensor-parallel size ({tp})")
         self._max_sequence_length = max_sequence_length
         self.num_layers = num_layers
+        self.kv_layer_numbers = list(range(1, num_layers + 1)) if kv_layer_numbers is None else \
+            sorted(set(kv_layer_numbers))
+        self._kv_layer_index = {number: index for index, number in enumerate(self.kv_layer_numbers)}
+        kv_layers = len(self.kv_layer_numbers)
         self.chunk_size_tokens = chunk_size_tokens
         heads = num_attention_heads // tp
         self.key_channels = kv_channels
@@ -159,7 +174,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         head_dim = max(self.key_channels, self.value_channels)
         planes = 1 if cache_mla_latents else 2  # latents: the values live in the keys
         dtype_bytes = torch.tensor([], dtype=params_dtype).element_size()
-        self.chunk_size_bytes = dtype_bytes * planes * num_layers * chunk_size_tokens * heads * head_dim
+        self.chunk_size_bytes = dtype_bytes * planes * kv_layers * chunk_size_tokens * heads * head_dim
         buffer_bytes = int(buffer_size_gb * 1024 ** 3) // self.chunk_size_bytes * self.chunk_size_bytes
         chunk_count_total = buffer_bytes // self.chunk_size_bytes
         self.max_tokens = chunk_count_total * chunk_size_tokens
@@ -185,7 +200,7 @@ class DynamicInferenceContext(BaseInferenceContext):
             )
         self.chunk_allocator = ChunkAllocator(chunk_count_total, self.gtd_chunk_count)
         self.memory_buffer = torch.full(
-            (planes, num_layers, chunk_count_total, chunk_size_tokens, heads, head_dim), -1,
+            (planes, kv_layers, chunk_count_total, chunk_size_tokens, heads, head_dim), -1,
             dtype=params_dtype, device=device,
         )
         self.mamba_states = {}
@@ -425,11 +440,16 @@ class DynamicInferenceContext(BaseInferenceContext):
             raise ValueError(f"the dynamic context holds keys of {self.key_channels} and values of "
                              f"{self.value_channels} channels per head; this layer gives {key.shape[-1]} and "
                              f"{value.shape[-1]}: build the context with kv_channels / value_channels of the model")
+        index = self._kv_layer_index.get(layer_number)
+        if index is None:
+            raise ValueError(f"layer {layer_number} has no key/value memory in this dynamic context (its "
+                             f"kv_layer_numbers are {self.kv_layer_numbers}): build it with the model's "
+                             "attention_layer_numbers(model)")
         if self.cache_mla_latents:
             check_value_in_key(key, value)
-            k_memory = self.memory_buffer[0, layer_number - 1]
+            k_memory = self.memory_buffer[0, index]
             return k_memory, k_memory[..., :self.value_channels]
-        k_memory, v_memory = self.memory_buffer[0, layer_number - 1], self.memory_buffer[1, layer_number - 1]
+        k_memory, v_memory = self.memory_buffer[0, index], self.memory_buffer[1, index]
         if self.key_channels != head_dim:
             k_memory = k_memory[..., :self.key_channels]
         if self.value_channels != head_dim:
@@ -492,6 +512,7 @@ class DynamicInferenceContext(BaseInferenceContext):
 __all__ = [
     "DynamicInferenceContext",
     "kv_cache_dims",
+    "attention_layer_numbers",
     "ContextOverflowError",
     "RequestOverflowError",
     "TokenOverflowError",
