@@ -23,7 +23,7 @@ from megatron.core.ssm import ops
 from megatron.core import parallel_state
 from megatron.core.ssm.gated_rmsnorm import RMSNormGated, gated_rms_norm
 from megatron.core.ssm.mamba_context_parallel import MambaCPSlices, cp_problems
-from megatron.core.ssm.mamba_state import decode_step, store_prefill
+from megatron.core.ssm.mamba_state import decode_step, dynamic_step, store_prefill
 from megatron.core.tensor_parallel.utils import make_tp_sharded_tensor_for_checkpoint
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -169,9 +169,12 @@ class MambaMixer(MegatronModule):
         """[s, b, h] (or [s/tp, b, h] with SP) -> (out [s, b, h] or [s/tp, b, h], out_proj bias).
 
         With a static inference context the prompt's final conv/SSM states are kept and later single-token
-        forwards (`sequence_len_offset > 0`) advance them (`mamba_state.py`)."""
+        forwards (`sequence_len_offset > 0`) advance them; a dynamic context keeps them per request slot
+        (`mamba_state.py`)."""
         context = inference_context if inference_context is not None else inference_params
         zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, in_proj_rows/tp]
+        if context is not None and context.is_dynamic_batching():  # flattened requests, per-request states
+            return self.out_proj(dynamic_step(self, context, zxbcdt))
         if context is not None and context.sequence_len_offset > 0:
             if zxbcdt.shape[0] != 1:
                 raise ValueError(f"MambaMixer decodes one token per step, got {zxbcdt.shape[0]}")
@@ -199,14 +202,19 @@ class MambaMixer(MegatronModule):
             store_prefill(self, context, xbc_in, final_state)
         return y
 
-    def _conv_scan_norm(self, z, xbc_in, dt, params: dict, want_state: bool = False):
+    def _conv_scan_norm(self, z, xbc_in, dt, params: dict, want_state: bool = False, initial_states=None,
+                        conv_prefix=None):
         """z [b, l, H*P], xbc_in [b, l, H*P + 2*G*N], dt [b, l, H] for `params`' H heads and G groups ->
-        (y [b, l, H*P], final SSM state or None)."""
+        (y [b, l, H*P], final SSM state or None). Inference continues a sequence with `conv_prefix`
+        [b, d_conv - 1, channels] (its last pre-conv inputs) and `initial_states` [b, H, P, N]."""
         b, length, _ = z.shape
         heads, groups = params["heads"], params["groups"]
         inner, groups_state = heads * self.headdim, groups * self.d_state
+        if conv_prefix is not None:
+            xbc_in = torch.cat([conv_prefix.to(xbc_in.dtype), xbc_in], dim=1)  # [b, w-1+l, c]
         xbc = ops.causal_conv1d(xbc_in.transpose(1, 2), params["conv_w"], params["conv_b"], activation="silu",
-                                impl=self.ssm_impl).transpose(1, 2)  # [b, l, conv channels]
+                                impl=self.ssm_impl).transpose(1, 2)  # [b, l (+ w-1), conv channels]
+        xbc = xbc[:, xbc.shape[1] - length:]  # the prefix's own outputs are not this segment's
         x, B, C = torch.split(xbc, [inner, groups_state, groups_state], dim=-1)
         x = x.reshape(b, length, heads, self.headdim)  # [b, l, d] -> [b, l, h, p]
         B = B.reshape(b, length, groups, self.d_state)  # [b, l, G*N] -> [b, l, G, N]
@@ -214,8 +222,8 @@ class MambaMixer(MegatronModule):
         A = -torch.exp(params["A_log"].float())
         z_heads = z.reshape(b, length, heads, self.headdim) if self.use_mem_eff_path else None
         out = ops.ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=params["D"], z=z_heads,
-                                 dt_bias=params["dt_bias"], dt_softplus=True, return_final_states=want_state,
-                                 impl=self.ssm_impl)
+                                 dt_bias=params["dt_bias"], dt_softplus=True, initial_states=initial_states,
+                                 return_final_states=want_state, impl=self.ssm_impl)
         out, final_state = out if want_state else (out, None)
         y = out.reshape(b, length, inner)  # [b, l, h, p] -> [b, l, d]
         y = gated_rms_norm(y, None if self.use_mem_eff_path else z, params["norm_w"], self.norm.group_size,

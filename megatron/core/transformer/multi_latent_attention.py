@@ -10,6 +10,18 @@ Per layer (n heads, q_head_dim = qk_head_dim + qk_pos_emb_head_dim = d_nope + d_
 - query = [q_nope | rope(q_pe)], key = [k_nope | rope(k_pe)], softmax scale m^2 / sqrt(q_head_dim) with
   m = yarn_get_mscale(rotary_scaling_factor, mscale); `linear_proj` (n*v_head_dim -> H).
 
+Inference: with a static or dynamic inference context, this layer rotates q_pe / k_pe itself at the positions of
+the forward's tokens (`inference_context.token_positions`: the cache offset onwards, YaRN mscale included) and
+hands the per-head query, key (q_head_dim) and value (v_head_dim) to `inference_context.attend` with MLA's
+softmax scale; the contexts cache the decompressed per-head keys and values (as Megatron does).
+A context built with `cache_mla_latents=True` caches DeepSeek's compressed form instead: ONE key head
+[normed kv latent | rope(k_pe)] (kv_lora_rank + d_r) whose leading kv_lora_rank channels (the latent) are
+also the value (the contexts keep them once), the same on every TP rank. The layer then attends with
+absorbed projections: q_nope is mapped into latent space through the k_nope rows of `linear_kv_up_proj`
+(q_nope . W_uk c = q_nope . k_nope), and the attention output (a latent per head) is mapped to values
+through its v rows. Per token and layer that caches kv_lora_rank + d_r numbers instead of
+n * (q_head_dim + v_head_dim) (DeepSeek-V3: 576 instead of 40960).
+
 Tensor parallelism: heads are split over TP. The down projections are column-parallel too; their outputs are
 all-gathered over TP (and, under sequence parallelism, the latents are scattered back to sequence shards). The
 k_pe slice is then one replicated tensor that every TP rank uses for its own heads, so its gradient is summed
@@ -159,12 +171,32 @@ class MultiLatentAttention(Attention):
     ):
         """[s, b, h] (or [s/tp, b, h] under SP) -> (output, output bias or None); the model's rotary_pos_emb is
         ignored (MLA owns its rotary embedding)."""
-        if inference_context is not None or inference_params is not None:
-            raise ValueError("multi-latent attention does not support inference KV caches here.")
+        inference_context = inference_context if inference_context is not None else inference_params
         angles, mscale = self._rotary_angles(hidden_states, inference_context, packed_seq_params)
+        if inference_context is not None:
+            return self._forward_with_cache(hidden_states, inference_context, angles, mscale)
         query, key, value = self.get_query_key_value_tensors(hidden_states, angles, mscale)
         core_attn_out = self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
                                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        return self.linear_proj(core_attn_out)
+
+    def _forward_with_cache(self, hidden_states, inference_context, angles, mscale):
+        """[s, b, h] of new tokens -> (output, bias): keys/values cached by the context, attention over the cache.
+
+        `angles` covers positions 0..max_sequence_length-1; the new tokens take the rows of their positions."""
+        if self.config.sequence_parallel:
+            raise ValueError("multi-latent attention with an inference context does not support "
+                             "--sequence-parallel: drop the flag when serving")
+        positions = inference_context.token_positions(hidden_states.shape[0], hidden_states.device)
+        step_angles = angles.index_select(0, positions.to(angles.device))  # [s, 1, 1, d_r]
+        if getattr(inference_context, "cache_mla_latents", False):
+            query, key, latent = self.latent_query_key_value(hidden_states, step_angles, mscale)
+            latent_out = inference_context.attend(self.layer_number, query, key, latent, None, self.softmax_scale,
+                                                  self.config)  # [s, b, n/tp * kv_lora_rank]
+            return self.linear_proj(self.values_from_latent(latent_out))
+        query, key, value = self.get_query_key_value_tensors(hidden_states, step_angles, mscale)
+        core_attn_out = inference_context.attend(self.layer_number, query, key, value, None, self.softmax_scale,
+                                                 self.config)
         return self.linear_proj(core_attn_out)
 
 
@@ -255,6 +287,47 @@ class MLASelfAttention(MultiLatentAttention):
         query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
         key = torch.cat([k_no_pe, k_pos_emb.expand(-1, -1, heads, -1)], dim=-1)
         return query.contiguous(), key.contiguous(), value.contiguous()
+
+    def _absorbed_weights(self):
+        """(W_uk [n/tp, qk_head_dim, kv_lora_rank], W_uv [n/tp, v_head_dim, kv_lora_rank]) of linear_kv_up_proj."""
+        cfg = self.config
+        if hasattr(self.linear_kv_up_proj, "layer_norm_weight"):
+            raise ValueError("cache_mla_latents needs the kv latent norm as its own module (the local MLA spec); "
+                             "this layer fuses it into linear_kv_up_proj: build the context with "
+                             "cache_mla_latents=False")
+        weight = self.linear_kv_up_proj.weight
+        weight = weight.view(self.num_attention_heads_per_partition, cfg.qk_head_dim + cfg.v_head_dim,
+                             cfg.kv_lora_rank)  # [n*(qk+v), c] -> [n, qk+v, c]
+        return weight[:, :cfg.qk_head_dim], weight[:, cfg.qk_head_dim:]
+
+    def latent_query_key_value(self, hidden_states, angles, mscale=1.0):
+        """The absorbed form for a latent cache: query [s, b, n/tp, c + d_r] (q_nope mapped to latent space |
+        rope(q_pe)), key [s, b, 1, c + d_r] (normed latent | rope(k_pe)), value [s, b, 1, c]: the latent, a view
+        of the key's leading channels."""
+        cfg = self.config
+        heads = self.num_attention_heads_per_partition
+        q_input = self._query_input(hidden_states)
+        q = q_input if cfg.q_lora_rank is None else self.linear_q_up_proj(self.q_layernorm(q_input))[0]
+        query = q.view(*q.shape[:-1], heads, self.q_head_dim)  # [s, b, n*qhd] -> [s, b, n, qhd]
+        q_no_pe, q_pos_emb = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+        kv_combined = self._gathered_latent(self.linear_kv_down_proj, hidden_states)
+        kv_compressed, k_pos_emb = torch.split(kv_combined, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
+        latent = self.kv_layernorm(kv_compressed).unsqueeze(2)  # [s, b, c] -> [s, b, 1, c]
+        k_pos_emb = apply_mla_rotary(k_pos_emb.unsqueeze(2), angles, mscale)  # [s, b, d_r] -> [s, b, 1, d_r]
+        w_uk, _ = self._absorbed_weights()
+        q_latent = torch.einsum("sbnq,nqc->sbnc", q_no_pe, w_uk.to(q_no_pe.dtype))
+        query = torch.cat([q_latent, apply_mla_rotary(q_pos_emb, angles, mscale)], dim=-1)
+        key = torch.cat([latent, k_pos_emb.to(latent.dtype)], dim=-1)
+        return query.contiguous(), key, key[..., :cfg.kv_lora_rank]
+
+    def values_from_latent(self, latent_out):
+        """Attention output in latent space [s, b, n/tp * c] -> per-head values [s, b, n/tp * v_head_dim]."""
+        s, b = latent_out.shape[:2]
+        heads = self.num_attention_heads_per_partition
+        _, w_uv = self._absorbed_weights()
+        latent_out = latent_out.reshape(s, b, heads, self.config.kv_lora_rank)  # [s, b, n*c] -> [s, b, n, c]
+        values = torch.einsum("sbnc,nvc->sbnv", latent_out, w_uv.to(latent_out.dtype))
+        return values.reshape(s, b, -1)  # [s, b, n, v] -> [s, b, n*v]
 
 
 __all__ = ["MLASelfAttentionSubmodules", "MultiLatentAttention", "MLASelfAttention", "apply_mla_rotary"]

@@ -1,12 +1,14 @@
 """Inference engines on tiny CPU models: greedy static and dynamic generation equal a full-recompute reference
 token for token; log-probabilities equal one full forward's; the dynamic engine gives each request the same
 tokens as running it alone while requests of different lengths (one longer than the step's token budget:
-chunked prefill) join mid-flight; sampling filters; TP=2 equals TP=1 (gloo, one launch)."""
+chunked prefill) join mid-flight; sampling filters; TP=2 equals TP=1 (gloo, one launch; the launch also
+generates with the multi-latent-attention model of `test_mla_mamba_inference.py`)."""
 import pytest
 import torch
 
 from tests.harness import run_on_ranks
 from tests.unit.inference import tiny_gpt as T
+from tests.unit.inference.test_mla_mamba_inference import mla_tp_generate
 from tests.unit.transformer.model_setup import init_single_rank
 
 NEW = 10
@@ -124,12 +126,13 @@ def _tp_generate():
         [tok.detokenize(p) for p in prompts], sampling_params=SamplingParams(top_k=8, num_tokens_to_generate=NEW))]
     dynamic = [r.generated_tokens for r in T.dynamic_engine(model, tp=tp).generate(prompts, _greedy())]
     rows = model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]  # 4 q + 2 k + 2 v heads of 8, / TP
-    return {"greedy": greedy, "sampled": sampled, "dynamic": dynamic}, (tp, rows)
+    mla, mla_rows = mla_tp_generate(tp)  # multi-latent attention + MoE in the same launch
+    return {"greedy": greedy, "sampled": sampled, "dynamic": dynamic, **mla}, (tp, rows, mla_rows)
 
 
 def test_tensor_parallel_generation_equals_single_rank():
     got = run_on_ranks(_tp_generate, 2)
     init_single_rank()
     want = _tp_generate()
-    assert [shard for _, shard in got] == [(2, 32), (2, 32)] and want[1] == (1, 64)
-    assert got[0][0] == got[1][0] == want[0]
+    assert [shard for _, shard in got] == [(2, 32, 20), (2, 32, 20)] and want[1] == (1, 64, 40)
+    assert got[0][0] == got[1][0] == want[0] and want[0]["hybrid_static_equals_dynamic"]

@@ -3,7 +3,12 @@
 Attention layers call `inference_context.attend(layer_number, query, key, value, rotary_pos_emb,
 softmax_scale, config)` with this step's un-rotated queries [sq, b, np, hn] and keys/values [sq, b, ng, hn];
 the context rotates them at the tokens' positions, stores the keys/values, and returns the attention output
-[sq, b, np * hn] over every cached token of each sequence.
+[sq, b, np * hv] over every cached token of each sequence. Key and value head dims may differ (hn, hv).
+
+Layers that rotate their own keys (multi-latent attention) pass `rotary_pos_emb=None` and read the positions
+of this forward's tokens from `token_positions`. `cache_mla_latents` (off by default) asks multi-latent
+attention layers to hand over their compressed latent instead of per-head keys/values (the value then is a
+view of the key's leading channels, and only keys are stored).
 """
 import abc
 
@@ -13,6 +18,7 @@ class BaseInferenceContext(abc.ABC):
 
     def __init__(self, materialize_only_last_token_logits: bool):
         self.materialize_only_last_token_logits = materialize_only_last_token_logits
+        self.cache_mla_latents = False
 
     @abc.abstractmethod
     def is_static_batching(self) -> bool:
@@ -30,6 +36,10 @@ class BaseInferenceContext(abc.ABC):
     @abc.abstractmethod
     def attend(self, layer_number, query, key, value, rotary_pos_emb, softmax_scale, config):
         """Store this step's keys/values of layer `layer_number` and attend over the cache."""
+
+    @abc.abstractmethod
+    def token_positions(self, num_tokens: int, device):
+        """Positions [s] (int64, on the device) of the `num_tokens` tokens this forward feeds."""
 
     @abc.abstractmethod
     def last_token_hidden_states(self, hidden_states):

@@ -8,6 +8,26 @@ without padding. Requests join between steps (`add_request`) and leave when fini
 to the allocator). A request that needs a new chunk while memory is short is paused for the step and
 resumed when chunks free up.
 
+Key and value head dims may differ (`value_channels`, multi-latent attention: keys q_head_dim, values
+v_head_dim): the buffer's last axis is the larger one and each side uses its leading part. With
+`cache_mla_latents` multi-latent attention layers cache their compressed latent instead (see
+`multi_latent_attention.py`): `num_attention_heads` is then the one latent head, the same on every TP rank,
+and as the value is the key's leading part ([latent | k_pe]) the buffer holds keys only:
+`memory_buffer [1, num_layers, chunk_count, chunk_size_tokens, 1, kv_lora_rank + d_r]` (bytes per chunk
+accordingly). Layers that rotate
+their own keys read the step's token positions from `token_positions`.
+
+`kv_layer_numbers` (default: every layer 1..num_layers) names the layers that cache keys/values; the buffer
+holds those alone (`memory_buffer[:, i]` is the i-th of them; the sizes count them instead of `num_layers`), so
+a hybrid model gives its attention layers only (`attention_layer_numbers(model)`).
+
+Mamba layers of hybrid models keep per-request recurrent states instead of paged keys/values: each admitted
+request takes a state slot (`mamba_slot`, freed with the request) and every Mamba layer keeps
+`mamba_states[layer_number] = (conv [d_conv, max_requests + 1, conv_dim / TP], ssm [heads / TP,
+max_requests + 1, head_dim, d_state])` (slot `max_requests` is a dummy for padding rows).
+`mamba_segments()` tells the mixer which tokens of the step belong to which slot, and whether the request
+starts there (fresh state) or continues (a chunked-prefill continuation or a decode token).
+
 Sizes follow Megatron Core: `chunk_size_bytes = dtype_bytes * 2 * num_layers * chunk_size_tokens * heads * hn`;
 the buffer holds `int(buffer_size_gb * 2**30) // chunk_size_bytes` chunks (the last is a dummy);
 `max_tokens = chunks * chunk_size_tokens`, `max_requests = max_tokens // max_sequence_length`; with
@@ -25,14 +45,15 @@ attention mask `key position <= query position` is then built on the device, so 
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
 from megatron.core.inference.contexts.base_context import BaseInferenceContext
 from megatron.core.inference.contexts.dynamic_chunk_allocator import ChunkAllocator
-from megatron.core.inference.contexts.kv_attention import attend_padded, rotary_table, rotate
+from megatron.core.inference.contexts.kv_attention import attend_padded, check_value_in_key, rotary_table, rotate
 from megatron.core.inference.decode_graphs import batch_bucket
+from megatron.core.transformer.attention import Attention
 
 
 class ContextOverflowError(Exception):
@@ -55,6 +76,26 @@ class ChunkOverflowError(ContextOverflowError):
     """Not enough free chunks."""
 
 
+def kv_cache_dims(config, cache_mla_latents: bool = False) -> tuple:
+    """(key/value heads, key head dim, value head dim) a model's attention layers cache (before TP).
+
+    Multi-latent attention caches every head's decompressed key (qk_head_dim + qk_pos_emb_head_dim) and value
+    (v_head_dim), or with `cache_mla_latents` one head (replicated over TP) of key [latent | k_pe]
+    (kv_lora_rank + qk_pos_emb_head_dim) and value latent (kv_lora_rank); other attention caches
+    num_query_groups heads of kv_channels."""
+    if getattr(config, "multi_latent_attention", False):
+        if cache_mla_latents:
+            return 1, config.kv_lora_rank + config.qk_pos_emb_head_dim, config.kv_lora_rank
+        return (config.num_attention_heads, config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
+    heads = config.num_query_groups or config.num_attention_heads
+    return heads, config.kv_channels, config.kv_channels
+
+
+def attention_layer_numbers(model) -> List[int]:
+    """The layer numbers of a model's attention layers (those that cache keys/values; a hybrid model's `*`)."""
+    return sorted({module.layer_number for module in model.modules() if isinstance(module, Attention)})
+
+
 def _round_up(value: float, multiple: int) -> int:
     return int(math.ceil(int(value) / multiple) * multiple)
 
@@ -68,6 +109,7 @@ class _RequestState:
     kv_length: int = 0
     chunks: List[int] = field(default_factory=list)
     paused: bool = False
+    mamba_slot: int = -1
 
 
 @dataclass
@@ -86,6 +128,8 @@ class _StepLayout:
     last_token_index: torch.Tensor  # [R]
     graph_key: Optional[tuple] = None  # (request bucket, chunk bucket) of a static-shape decode step
     input_ids: Optional[torch.Tensor] = None  # [R_b] token ids of a static-shape decode step
+    mamba_slots: Optional[torch.Tensor] = None  # [R] or [R_b] Mamba state slot of every row
+    segments: Optional[List[tuple]] = None  # (first token, count, slot, fresh) per scheduled request
 
 
 class DynamicInferenceContext(BaseInferenceContext):
@@ -107,18 +151,30 @@ class DynamicInferenceContext(BaseInferenceContext):
         tensor_model_parallel_size: Optional[int] = None,
         materialize_only_last_token_logits: bool = True,
         device: Optional[torch.device] = None,
+        value_channels: Optional[int] = None,
+        cache_mla_latents: bool = False,
+        kv_layer_numbers: Optional[Sequence[int]] = None,
     ):
         super().__init__(materialize_only_last_token_logits)
-        tp = 1 if tensor_model_parallel_size is None else tensor_model_parallel_size
+        self.cache_mla_latents = cache_mla_latents
+        tp = 1 if tensor_model_parallel_size is None or cache_mla_latents else tensor_model_parallel_size
         if num_attention_heads % tp:
             raise ValueError(f"num_attention_heads ({num_attention_heads}) of the dynamic context (the key/value "
                              f"heads) must be divisible by the tensor-parallel size ({tp})")
         self._max_sequence_length = max_sequence_length
         self.num_layers = num_layers
+        self.kv_layer_numbers = list(range(1, num_layers + 1)) if kv_layer_numbers is None else \
+            sorted(set(kv_layer_numbers))
+        self._kv_layer_index = {number: index for index, number in enumerate(self.kv_layer_numbers)}
+        kv_layers = len(self.kv_layer_numbers)
         self.chunk_size_tokens = chunk_size_tokens
         heads = num_attention_heads // tp
+        self.key_channels = kv_channels
+        self.value_channels = kv_channels if value_channels is None else value_channels
+        head_dim = max(self.key_channels, self.value_channels)
+        planes = 1 if cache_mla_latents else 2  # latents: the values live in the keys
         dtype_bytes = torch.tensor([], dtype=params_dtype).element_size()
-        self.chunk_size_bytes = dtype_bytes * 2 * num_layers * chunk_size_tokens * heads * kv_channels
+        self.chunk_size_bytes = dtype_bytes * planes * kv_layers * chunk_size_tokens * heads * head_dim
         buffer_bytes = int(buffer_size_gb * 1024 ** 3) // self.chunk_size_bytes * self.chunk_size_bytes
         chunk_count_total = buffer_bytes // self.chunk_size_bytes
         self.max_tokens = chunk_count_total * chunk_size_tokens
@@ -144,9 +200,11 @@ class DynamicInferenceContext(BaseInferenceContext):
             )
         self.chunk_allocator = ChunkAllocator(chunk_count_total, self.gtd_chunk_count)
         self.memory_buffer = torch.full(
-            (2, num_layers, chunk_count_total, chunk_size_tokens, heads, kv_channels), -1,
+            (planes, kv_layers, chunk_count_total, chunk_size_tokens, heads, head_dim), -1,
             dtype=params_dtype, device=device,
         )
+        self.mamba_states = {}
+        self._free_mamba_slots = list(range(self.max_requests - 1, -1, -1))
         self.requests: "OrderedDict[int, _RequestState]" = OrderedDict()
         self.step_layout: Optional[_StepLayout] = None
         self.static_decode = False
@@ -174,6 +232,7 @@ class DynamicInferenceContext(BaseInferenceContext):
         self.requests.clear()
         self.chunk_allocator.reset()
         self.step_layout = None
+        self._free_mamba_slots = list(range(self.max_requests - 1, -1, -1))
 
     def check_request(self, prompt_length: int, num_tokens_to_generate: int) -> None:
         """Raise MaxSequenceLengthOverflowError when the request can never fit."""
@@ -197,12 +256,33 @@ class DynamicInferenceContext(BaseInferenceContext):
         if chunks is None:
             raise ChunkOverflowError(f"not enough free chunks for a prompt of {len(tokens)} tokens")
         self.requests[request_id] = _RequestState(request_id, list(tokens), len(tokens),
-                                                  len(tokens) + num_tokens_to_generate, chunks=chunks)
+                                                  len(tokens) + num_tokens_to_generate, chunks=chunks,
+                                                  mamba_slot=self._free_mamba_slots.pop())
 
     def release_request(self, request_id: int) -> None:
-        """Free a finished request's memory."""
+        """Free a finished request's memory (its chunks and its Mamba state slot)."""
         state = self.requests.pop(request_id)
         self.chunk_allocator.release_memory_chunks(state.chunks)
+        self._free_mamba_slots.append(state.mamba_slot)
+
+    @property
+    def mamba_dummy_slot(self) -> int:
+        """The Mamba state slot of padding rows (never given to a request)."""
+        return self.max_requests
+
+    def mamba_segments(self) -> List[tuple]:
+        """(first token in the step's [T] layout, token count, state slot, fresh) of every scheduled request;
+        fresh: the request's first tokens (its states start at zero)."""
+        layout = self.step_layout
+        if layout is None:
+            raise ValueError("DynamicInferenceContext.mamba_segments: call initialize_step() before the forward")
+        return layout.segments
+
+    def token_positions(self, num_tokens: int, device=None) -> torch.Tensor:
+        """Positions [T] of this step's tokens (for layers that rotate their own keys)."""
+        if self.step_layout is None:
+            raise ValueError("DynamicInferenceContext.token_positions: call initialize_step() before the forward")
+        return self.step_layout.positions
 
     def _schedule(self):
         """(state, query length) of this step's requests, within the token budget; others are paused."""
@@ -268,17 +348,28 @@ class DynamicInferenceContext(BaseInferenceContext):
             max_query=max_query,
             allowed=allowed.unsqueeze(1).to(**to),  # [R, Qmax, K] -> [R, 1, Qmax, K]
             last_token_index=torch.tensor(last_index, dtype=torch.long, **to),
+            mamba_slots=torch.tensor([state.mamba_slot for state, _ in scheduled], dtype=torch.long, **to),
+            segments=self._segments(scheduled),
         )
         self._scheduled = scheduled
         input_ids = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)  # [T] -> [1, T]
         return input_ids, self.step_layout.positions.unsqueeze(0)  # [T] -> [1, T]
 
+    @staticmethod
+    def _segments(scheduled) -> List[tuple]:
+        """(first token, count, slot, fresh) of the scheduled requests, in layout order."""
+        segments, first = [], 0
+        for state, count in scheduled:
+            segments.append((first, count, state.mamba_slot, state.kv_length == 0))
+            first += count
+        return segments
+
     def _static_step_buffers(self, requests: int, chunks: int, device):
-        """(packed [R_b * (4 + C_b)] int64, last_token_index [R_b]) of one bucket pair, allocated once."""
+        """(packed [R_b * (5 + C_b)] int64, last_token_index [R_b]) of one bucket pair, allocated once."""
         key = (requests, chunks)
         entry = self._static_buffers.get(key)
         if entry is None:
-            entry = (torch.zeros(requests * (4 + chunks), dtype=torch.long, device=device),
+            entry = (torch.zeros(requests * (5 + chunks), dtype=torch.long, device=device),
                      torch.arange(requests, dtype=torch.long, device=device))
             self._static_buffers[key] = entry
         return entry
@@ -293,24 +384,25 @@ class DynamicInferenceContext(BaseInferenceContext):
         device = self.memory_buffer.device if device is None else device
         packed, last_index = self._static_step_buffers(r_b, c_b, device)
         dummy = self.chunk_allocator.dummy_chunk_idx
-        fields_host = [[0] * r_b, [0] * r_b, [dummy] * r_b, [0] * r_b]
+        fields_host = [[0] * r_b, [0] * r_b, [dummy] * r_b, [0] * r_b, [self.mamba_dummy_slot] * r_b]
         table_host = []
         for row, (state, _) in enumerate(scheduled):
             position = state.kv_length
             fields_host[0][row], fields_host[1][row] = state.tokens[position], position
             fields_host[2][row], fields_host[3][row] = state.chunks[position // cs], position % cs
+            fields_host[4][row] = state.mamba_slot
             used = state.chunks[:c_b]
             table_host.extend(used + [dummy] * (c_b - len(used)))
         table_host.extend([dummy] * (c_b * (r_b - rows)))
-        flat = fields_host[0] + fields_host[1] + fields_host[2] + fields_host[3] + table_host
+        flat = [value for column in fields_host for value in column] + table_host
         packed.copy_(torch.tensor(flat, dtype=torch.long), non_blocking=False)
-        fields = packed[:4 * r_b].view(4, r_b)  # [4 * R_b] -> [4, R_b]
+        fields = packed[:5 * r_b].view(5, r_b)  # [5 * R_b] -> [5, R_b]
         self.step_layout = _StepLayout(
             request_ids=[state.request_id for state, _ in scheduled], query_lengths=[1] * rows,
             positions=fields[1], write_chunks=fields[2], write_offsets=fields[3],
-            chunk_table=packed[4 * r_b:].view(r_b, c_b),  # [R_b * C_b] -> [R_b, C_b]
+            chunk_table=packed[5 * r_b:].view(r_b, c_b),  # [R_b * C_b] -> [R_b, C_b]
             query_slots=None, max_query=1, allowed=None, last_token_index=last_index,
-            graph_key=(r_b, c_b), input_ids=fields[0],
+            graph_key=(r_b, c_b), input_ids=fields[0], mamba_slots=fields[4], segments=None,
         )
         self._scheduled = scheduled
         return fields[0].unsqueeze(0), fields[1].unsqueeze(0)  # [R_b] -> [1, R_b]
@@ -341,40 +433,76 @@ class DynamicInferenceContext(BaseInferenceContext):
         """Prompt + generated tokens of an active request."""
         return self.requests[request_id].tokens
 
+    def _layer_memory(self, layer_number: int, key: torch.Tensor, value: torch.Tensor):
+        """This layer's key and value memory [chunks, c, ng, hk] / [.., hv] (views of the buffer)."""
+        head_dim = self.memory_buffer.shape[-1]
+        if key.shape[-1] != self.key_channels or value.shape[-1] != self.value_channels:
+            raise ValueError(f"the dynamic context holds keys of {self.key_channels} and values of "
+                             f"{self.value_channels} channels per head; this layer gives {key.shape[-1]} and "
+                             f"{value.shape[-1]}: build the context with kv_channels / value_channels of the model")
+        index = self._kv_layer_index.get(layer_number)
+        if index is None:
+            raise ValueError(f"layer {layer_number} has no key/value memory in this dynamic context (its "
+                             f"kv_layer_numbers are {self.kv_layer_numbers}): build it with the model's "
+                             "attention_layer_numbers(model)")
+        if self.cache_mla_latents:
+            check_value_in_key(key, value)
+            k_memory = self.memory_buffer[0, index]
+            return k_memory, k_memory[..., :self.value_channels]
+        k_memory, v_memory = self.memory_buffer[0, index], self.memory_buffer[1, index]
+        if self.key_channels != head_dim:
+            k_memory = k_memory[..., :self.key_channels]
+        if self.value_channels != head_dim:
+            v_memory = v_memory[..., :self.value_channels]
+        return k_memory, v_memory
+
+    @staticmethod
+    def _gather_rows(memory: torch.Tensor, chunk_table: torch.Tensor) -> torch.Tensor:
+        """The rows' chunks of `memory` [chunks, c, ng, d] laid end to end: [R, C * c, ng, d]."""
+        rows, chunks = chunk_table.shape
+        gathered = memory[chunk_table]  # [R, C, c, ng, d]
+        span = chunks * gathered.shape[2]
+        return gathered.reshape(rows, span, *gathered.shape[3:])  # [R, C, c, ng, d] -> [R, K, ng, d]
+
+    def _gathered_values(self, keys: torch.Tensor, v_memory: torch.Tensor, chunk_table: torch.Tensor):
+        """The rows' values [R, K, ng, hv]: under cache_mla_latents the gathered keys' leading channels."""
+        if self.cache_mla_latents:
+            return keys[..., :self.value_channels]
+        return self._gather_rows(v_memory, chunk_table)
+
     def attend(self, layer_number, query, key, value, rotary_pos_emb, softmax_scale, config):
-        """query [T, 1, np, hn], key/value [T, 1, ng, hn] -> [T, 1, np * hn]."""
+        """query [T, 1, np, hk], key [T, 1, ng, hk], value [T, 1, ng, hv] -> [T, 1, np * hv]."""
         layout = self.step_layout
         if layout is None:
             raise ValueError("DynamicInferenceContext.attend: call initialize_step() before the forward")
         table = rotary_table(rotary_pos_emb)
         query, key = rotate(query, key, None if table is None else table[layout.positions], config)
-        k_memory, v_memory = self.memory_buffer[0, layer_number - 1], self.memory_buffer[1, layer_number - 1]
+        k_memory, v_memory = self._layer_memory(layer_number, key, value)
         k_memory[layout.write_chunks, layout.write_offsets] = key[:, 0].to(k_memory.dtype)
-        v_memory[layout.write_chunks, layout.write_offsets] = value[:, 0].to(v_memory.dtype)
-        rows, chunks = layout.chunk_table.shape
-        heads, hn = k_memory.shape[-2:]
+        if not self.cache_mla_latents:
+            v_memory[layout.write_chunks, layout.write_offsets] = value[:, 0].to(v_memory.dtype)
+        rows = layout.chunk_table.shape[0]
         if layout.allowed is None:
             return self._attend_static_decode(query, k_memory, v_memory, layout, softmax_scale)
-        keys = k_memory[layout.chunk_table].view(rows, chunks * self.chunk_size_tokens, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
-        values = v_memory[layout.chunk_table].view(rows, chunks * self.chunk_size_tokens, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
+        keys = self._gather_rows(k_memory, layout.chunk_table)  # [R, K, ng, hk]
+        values = self._gathered_values(keys, v_memory, layout.chunk_table)  # [R, K, ng, hv]
         padded = query.new_zeros(rows * layout.max_query, query.size(2), query.size(3))
         padded[layout.query_slots] = query[:, 0]
         padded = padded.view(rows, layout.max_query, query.size(2), query.size(3))  # [R*Q, np, hn] -> [R, Q, np, hn]
         out = attend_padded(padded, keys.to(query.dtype), values.to(query.dtype), layout.allowed, softmax_scale)
-        out = out.reshape(rows * layout.max_query, -1)[layout.query_slots]  # [R, Q, np, hn] -> [T, np*hn]
-        return out.unsqueeze(1)  # [T, np*hn] -> [T, 1, np*hn]
+        out = out.reshape(rows * layout.max_query, -1)[layout.query_slots]  # [R, Q, np, hv] -> [T, np*hv]
+        return out.unsqueeze(1)  # [T, np*hv] -> [T, 1, np*hv]
 
     def _attend_static_decode(self, query, k_memory, v_memory, layout, softmax_scale):
-        """One token per row: query [R_b, 1, np, hn] over the rows' chunks -> [R_b, 1, np * hn]."""
+        """One token per row: query [R_b, 1, np, hk] over the rows' chunks -> [R_b, 1, np * hv]."""
         rows, chunks = layout.chunk_table.shape
-        heads, hn = k_memory.shape[-2:]
         span = chunks * self.chunk_size_tokens
-        keys = k_memory[layout.chunk_table].view(rows, span, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
-        values = v_memory[layout.chunk_table].view(rows, span, heads, hn)  # [R, C, c, ng, hn] -> [R, K, ng, hn]
+        keys = self._gather_rows(k_memory, layout.chunk_table)  # [R, K, ng, hk]
+        values = self._gathered_values(keys, v_memory, layout.chunk_table)  # [R, K, ng, hv]
         key_positions = torch.arange(span, device=query.device)
         allowed = (key_positions[None, :] <= layout.positions[:, None]).view(rows, 1, 1, span)  # [R, K] -> [R, 1, 1, K]
         out = attend_padded(query, keys.to(query.dtype), values.to(query.dtype), allowed, softmax_scale)
-        return out.reshape(rows, 1, -1)  # [R, 1, np, hn] -> [R, 1, np*hn]
+        return out.reshape(rows, 1, -1)  # [R, 1, np, hv] -> [R, 1, np*hv]
 
     def last_token_hidden_states(self, hidden_states):
         """[T, 1, h] -> [R, 1, h]: the last token of every scheduled request."""
@@ -383,6 +511,8 @@ class DynamicInferenceContext(BaseInferenceContext):
 
 __all__ = [
     "DynamicInferenceContext",
+    "kv_cache_dims",
+    "attention_layer_numbers",
     "ContextOverflowError",
     "RequestOverflowError",
     "TokenOverflowError",

@@ -23,6 +23,17 @@ def rotate(query, key, freqs, config):
     return apply_rotary_pos_emb(query, freqs, config=config), apply_rotary_pos_emb(key, freqs, config=config)
 
 
+def check_value_in_key(key, value) -> None:
+    """Under `cache_mla_latents` a layer's value must be a view of its key's leading channels (the latent of
+    [latent | k_pe]): the contexts then store only the keys. Raises ValueError otherwise."""
+    is_prefix = (value.data_ptr() == key.data_ptr() and value.shape[:-1] == key.shape[:-1]
+                 and value.stride() == key.stride() and value.shape[-1] <= key.shape[-1])
+    if not is_prefix:
+        raise ValueError("an inference context with cache_mla_latents=True caches multi-latent attention latents: "
+                         "the value must be a view of the key's leading channels; this layer's is not (build the "
+                         "context with cache_mla_latents=False for other attention)")
+
+
 def attend_padded(query, key, value, allowed, softmax_scale):
     """softmax(q k^T * scale) v per batch row.
 
@@ -36,4 +47,4 @@ def attend_padded(query, key, value, allowed, softmax_scale):
     return out.to(query.dtype).transpose(1, 2)  # [b, np, sq, hn] -> [b, sq, np, hn]
 
 
-__all__ = ["rotary_table", "rotate", "attend_padded"]
+__all__ = ["rotary_table", "rotate", "attend_padded", "check_value_in_key"]
