@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+from megatron.core.fp8.params import install_fp8_primary_hooks, is_fp8_primary, weight_values
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _timed
 from megatron.core.optimizer.sharded_state import (
@@ -144,6 +145,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.model_float16_groups, self.model_fp32_groups = [], []
             self.shard_float16_groups, self.shard_fp32_groups, self.shard_fp32_from_float16_groups = [], [], []
             self.model_param_to_main_param = {}
+            self._make_fp8_params_primary()
             return
         self.model_param_group_index_map, self.opt_group_ranges = self._build_optimizer_group_ranges(
             self.optimizer.param_groups, self.gbuf_ranges
@@ -155,6 +157,24 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.optimizer = HybridDeviceOptimizer(params=shard_groups, **self.optimizer.defaults)
         else:
             self.optimizer.param_groups = shard_groups
+        self._make_fp8_params_primary()
+
+    def _make_fp8_params_primary(self) -> None:
+        """`--fp8-param-gather`: now that the fp32 masters exist, each FP8 parameter's FP8 copy becomes its only
+        copy in the model (`fp8.params`, "FP8-primary parameters"), and its module's state dict saves the
+        dequantized values and quantizes what it loads."""
+        if self.ddp_config is None or not self.ddp_config.fp8_param_gather:
+            return
+        for buffer in self.buffers:
+            buffer.make_fp8_params_primary()
+        for chunk in self.model_chunks:
+            install_fp8_primary_hooks(chunk)
+
+    def _gather_fp8_params(self) -> None:
+        """After the masters were loaded: the FP8 copies quantized from them again (exactly those training had)."""
+        if self.ddp_config is not None and self.ddp_config.fp8_param_gather:
+            for buffer in self.buffers:
+                buffer.gather_fp8_params()
 
     # ----------------------------------------------------------------------------------------------
     # Shard layout
@@ -271,7 +291,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     precision_aware = self.config.use_precision_aware_optimizer and not fp8_param
                     shard_main_param = shard_model_param if precision_aware else shard_model_param.clone().float()
                     model_float16.append(model_param)
-                    shard_float16.append(shard_model_param)
+                    # an FP8 parameter's model copy is its FP8 bytes (`_make_fp8_params_primary`): no view to keep
+                    shard_float16.append(None if fp8_param else shard_model_param)
                     shard_main16.append(shard_main_param)
                 elif model_param.dtype == torch.float32:
                     shard_main_param = shard_model_param
@@ -307,6 +328,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         )
         for group in itertools.chain(*groups):
             for param in group:
+                if param is None:  # an FP8 parameter's (absent) model shard
+                    continue
                 if getattr(param, "decoupled_grad", None) is not None:
                     param.decoupled_grad = None
                 if param.grad is None:
@@ -329,8 +352,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.config.use_precision_aware_optimizer:
             return main_params, model_data
         for model_group, main_group in zip(self.shard_float16_groups, self.shard_fp32_from_float16_groups):
-            main_params.extend(main_group)
-            model_data.extend(model_param.data for model_param in model_group)
+            for model_shard, main_param in zip(model_group, main_group):
+                if model_shard is not None:  # FP8 parameters are gathered from their masters as FP8 bytes
+                    main_params.append(main_param)
+                    model_data.append(model_shard.data)
         return main_params, model_data
 
     def _copy_model_grads_to_main_grads(self):
@@ -352,6 +377,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Refresh main params from the model params (the hybrid optimizer refreshes its own copies)."""
         if not self.config.use_precision_aware_optimizer:
             super()._copy_model_params_to_main_params()
+        for model_param, main_param, start, stop in self._model_and_main_params():
+            if is_fp8_primary(model_param):  # the model holds FP8 values: the master takes them dequantized
+                main_param.data.copy_(weight_values(model_param, torch.float32).view(-1)[start:stop])
         if isinstance(self.optimizer, HybridDeviceOptimizer):
             self.optimizer.update_fp32_param_by_new_param()
 
@@ -486,6 +514,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             return
         if is_sharded_load(state_dict):
             self._load_sharded_common(state_dict)
+            self._gather_fp8_params()
             return
         if not self.is_stub_optimizer:
             self._ensure_optimizer_state()
@@ -599,6 +628,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                             target = self._main_param_and_optimizer_states(model_param)[key]
                             local_range = ranges["gbuf_local"]
                             target.data.copy_(received[local_range.start : local_range.end])
+        self._gather_fp8_params()
 
     def _check_dp_zero_state(self, state_dict: Optional[Dict]):
         if state_dict is None:
@@ -665,3 +695,4 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 target = self._main_param_and_optimizer_states(model_param)[key]
                 target.detach().copy_(saved.view_as(target))
         self._copy_main_params_to_model_params()
+        self._gather_fp8_params()
