@@ -23,6 +23,7 @@ from megatron.core.deferred_checks import get_deferred_checks, not_finite
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.distributed.fp8_param_gather import is_fp8_param_bucket, make_fp8_primary, start_fp8_param_gather
+from megatron.core.fp8.params import install_fp8_primary_hooks
 
 # Buckets whose local gradient norm exceeds this multiple of the largest norm seen during the first
 # `_LARGE_GRAD_WINDOW` checks are reported by `check_for_large_grads`.
@@ -509,11 +510,16 @@ class _ParamAndGradBuffer:
     def _fp8_buckets(self) -> List[_ParamAndGradBucket]:
         return [bucket for bucket in self.buckets if bucket.fp8_param_range is not None]
 
-    def make_fp8_params_primary(self) -> None:
+    def make_fp8_params_primary(self, modules: List[torch.nn.Module]) -> None:
         """`--fp8-param-gather`, once the distributed optimizer holds the fp32 masters: every FP8 parameter's FP8
-        copy becomes its only copy (`fp8_param_gather.make_fp8_primary`); no communication."""
-        for bucket in self._fp8_buckets():
+        copy becomes its only copy (`fp8_param_gather.make_fp8_primary`; no communication), and the modules
+        among `modules` (and their submodules) that own one save it dequantized and quantize what they load."""
+        buckets = self._fp8_buckets()
+        for bucket in buckets:
             make_fp8_primary(bucket)
+        if buckets:
+            for module in modules:
+                install_fp8_primary_hooks(module)
 
     def gather_fp8_params(self) -> None:
         """Re-quantize every FP8 parameter from the optimizer's fp32 masters and all-gather the FP8 bytes, now

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
-from megatron.core.fp8.params import install_fp8_primary_hooks, is_fp8_primary, weight_values
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer, _timed
 from megatron.core.optimizer.sharded_state import (
@@ -166,9 +165,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.ddp_config is None or not self.ddp_config.fp8_param_gather:
             return
         for buffer in self.buffers:
-            buffer.make_fp8_params_primary()
-        for chunk in self.model_chunks:
-            install_fp8_primary_hooks(chunk)
+            buffer.make_fp8_params_primary(self.model_chunks)
 
     def _gather_fp8_params(self) -> None:
         """After the masters were loaded: the FP8 copies quantized from them again (exactly those training had)."""
@@ -378,8 +375,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if not self.config.use_precision_aware_optimizer:
             super()._copy_model_params_to_main_params()
         for model_param, main_param, start, stop in self._model_and_main_params():
-            if is_fp8_primary(model_param):  # the model holds FP8 values: the master takes them dequantized
-                main_param.data.copy_(weight_values(model_param, torch.float32).view(-1)[start:stop])
+            if getattr(model_param, "fp8_primary", False):  # the model holds FP8 values only (`fp8.params`)
+                values = model_param.fp8_weight_copy.dequantized(torch.float32)
+                main_param.data.copy_(values.view(-1)[start:stop])  # [*shape] -> [numel], this rank's piece
         if isinstance(self.optimizer, HybridDeviceOptimizer):
             self.optimizer.update_fp32_param_by_new_param()
 
