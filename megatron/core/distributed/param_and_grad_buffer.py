@@ -7,6 +7,9 @@ grouped into buckets of about `bucket_size` elements. A `_ParamAndGradBucketGrou
 communication: one all-reduce (or reduce-scatter for the distributed optimizer) per bucket for
 gradients, one all-gather per bucket for parameters.
 
+With `--fp8-param-gather` an FP8 parameter's bucket stores it as uint8 FP8 bytes, one tensor per bucket then
+(`_allocate_param_data`), and no bf16/fp32 copy is allocated for it (`fp8_param_gather`).
+
 Padding rules (Megatron's, so that `distrib_optim.pt` files line up): with the distributed optimizer,
 every parameter starts at a multiple of 64 elements and every bucket ends at a multiple of
 lcm(DP, 128) (and 2**16 with `pad_buckets_for_high_nccl_busbw`), so each DP rank owns an equal
@@ -98,7 +101,8 @@ class _ParamAndGradBucket:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.bucket_id = bucket_id
         self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
-        # `--fp8-param-gather`: [start, end) of the bucket's one FP8 parameter in it, and its uint8 gather buffer
+        # `--fp8-param-gather`: [start, end) of the bucket's one FP8 parameter in it, and its uint8 storage (the
+        # bucket's `param_data`, all-gathered as it is)
         self.fp8_param_range: Optional[Tuple[int, int]] = None
         self.fp8_param_data: Optional[torch.Tensor] = None
         packed = 0
@@ -361,7 +365,8 @@ class _ParamAndGradBuffer:
     """Flat gradient (and parameter) storage for one (param dtype, grad dtype) pair, cut into buckets.
 
     After construction every parameter has `.main_grad`, a view into `grad_data`; with the distributed
-    optimizer `param.data` is a view into `param_data` as well.
+    optimizer `param.data` is a view into `param_data` as well (an FP8 parameter's storage is its bucket's
+    uint8 FP8 bytes instead: `fp8_param_gather`).
     """
 
     def __init__(

@@ -7,6 +7,11 @@ memory per rank is about 1/DP. Per iteration: DDP reduce-scatters gradients into
 buffer, and DDP all-gathers the buffer (`start_param_sync`, or per bucket in forward pre-hooks with
 `overlap_param_gather`).
 
+FP8 parameters (`--fp8-param-gather`): the masters are made, then each FP8 weight's FP8 bytes become its only
+copy in the model (`_make_fp8_params_primary`); the step writes no model copy for them (the FP8 gather quantizes
+the masters), and after the masters are loaded from a checkpoint the FP8 bytes are gathered from them again
+(`_gather_fp8_params`), so training resumes exactly.
+
 Vocabulary of ranges (Megatron's): "gbuf_world" is a range in the whole buffer, "gbuf_world_in_bucket"
 the same relative to the bucket start, "gbuf_local" relative to this rank's shard, and "param" the part
 of the flattened parameter that this rank owns.
@@ -278,9 +283,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             model_float16, model_fp32, shard_float16, shard_fp32, shard_main16 = [], [], [], [], []
             for model_param in group_range["params"]:
                 param_range = self._get_model_param_range_map(model_param)["param"]
-                # [*param.shape] -> [numel], then this rank's piece.
-                shard_model_param = model_param.detach().view(-1)[param_range.start : param_range.end]
-                # An FP8 parameter's model data becomes its FP8 values at each gather: its fp32 master is a copy.
+                # [*param.shape] -> [numel], then this rank's piece (of the dequantized FP8 values when they are
+                # the parameter's only copy: an optimizer built again over an FP8-parameter model).
+                values = model_param.fp8_weight_copy.dequantized(torch.float32) \
+                    if getattr(model_param, "fp8_primary", False) else model_param.detach()
+                shard_model_param = values.view(-1)[param_range.start : param_range.end]
+                # An FP8 parameter's model copy is its FP8 bytes, gathered from its fp32 master.
                 fp8_param = bool(getattr(model_param, "fp8_param", False)) and self.ddp_config is not None \
                     and self.ddp_config.fp8_param_gather
                 if model_param.dtype in (torch.float16, torch.bfloat16) or fp8_param:
