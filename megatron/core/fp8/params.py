@@ -111,10 +111,13 @@ def _primary_params(module: torch.nn.Module):
 
 
 def _save_dequantized(module, state_dict, prefix, local_metadata) -> None:
-    """state_dict post-hook: FP8-primary weights are saved as their dequantized values (what Megatron stores)."""
+    """state_dict post-hook: FP8-primary weights are saved as their dequantized values (what Megatron stores),
+    which name their parameter (`fp8_values_of`: the optimizer maps its state to model space by parameter)."""
     for name, param in _primary_params(module):
         if prefix + name in state_dict:
-            state_dict[prefix + name] = weight_values(param)
+            values = weight_values(param)
+            values.fp8_values_of = param
+            state_dict[prefix + name] = values
 
 
 def _materialize_for_load(module, state_dict, prefix, *unused) -> None:

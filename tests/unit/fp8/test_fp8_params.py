@@ -149,3 +149,28 @@ def test_fp8_params_checkpoint_loads_without_fp8_and_resumes_exactly():
     resumed_optimizer.reload_model_params()  # masters from the model's FP8 values (--finetune, --no-load-optim)
     weight = resumed.decoder.layers[0].mlp.linear_fc1.weight
     assert torch.equal(resumed_optimizer.model_param_to_main_param[weight], weight_values(weight).view(-1))
+
+
+def test_fp8_params_distributed_checkpoint_resumes_exactly(tmp_path):
+    """torch_dist checkpoint (model + distributed-optimizer state in model space) of a SwiGLU model (fc1's
+    [gate; up] halves are a ShardedTensorFactory): the optimizer state of the FP8 weights is found through their
+    dequantized values, and training resumes bit for bit."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    init_single_rank()
+    model, ddp, optimizer = _build(5, bf16=False, gated_linear_unit=True)
+    _train(model, ddp, optimizer, 2)
+    model_state = model.sharded_state_dict()
+    state = {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state)}
+    keys = {value.key for value in nested_values(state["optimizer"]) if hasattr(value, "key")}
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in keys, sorted(keys)  # FP8 weights' state
+    dist_checkpointing.save(state, str(tmp_path))
+    resumed, resumed_ddp, resumed_optimizer = _build(6, bf16=False, gated_linear_unit=True)
+    request_model = resumed.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": request_model, "optimizer": resumed_optimizer.sharded_state_dict(
+        request_model, is_loading=True)}, str(tmp_path))
+    resumed.load_state_dict(loaded["model"], strict=False)
+    resumed_optimizer.load_state_dict(loaded["optimizer"])
+    assert _train(resumed, resumed_ddp, resumed_optimizer, 2, first=2) == _train(model, ddp, optimizer, 2, first=2)
+    assert all(torch.equal(value, _state(model)[key]) for key, value in _state(resumed).items())
