@@ -111,13 +111,17 @@ def _primary_params(module: torch.nn.Module):
 
 
 def _save_dequantized(module, state_dict, prefix, local_metadata) -> None:
-    """state_dict post-hook: FP8-primary weights are saved as their dequantized values (what Megatron stores),
-    which name their parameter (`fp8_values_of`: the optimizer maps its state to model space by parameter)."""
+    """state_dict post-hook: FP8-primary weights are saved as their dequantized values (what Megatron stores).
+    Where the caller asked for the parameters themselves (`keep_vars=True`: the sharded state dict, whose tensors
+    the optimizer maps to its state by parameter) the values name their parameter (`fp8_values_of`); a plain
+    state dict's values carry no attribute (`torch.save` would pickle it, parameter and all)."""
     for name, param in _primary_params(module):
-        if prefix + name in state_dict:
+        key = prefix + name
+        if key in state_dict:
             values = weight_values(param)
-            values.fp8_values_of = param
-            state_dict[prefix + name] = values
+            if state_dict[key] is param:
+                values.fp8_values_of = param
+            state_dict[key] = values
 
 
 def _materialize_for_load(module, state_dict, prefix, *unused) -> None:
