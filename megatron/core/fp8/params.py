@@ -86,6 +86,7 @@ def drop_high_precision_storage(param: torch.nn.Parameter, copy: Fp8WeightCopy) 
     one = torch.full((1,), float("nan"), dtype=param.dtype, device=param.device)
     param.data = one.expand(param.shape)  # [1] -> [*param.shape], stride 0
     param.fp8_weight_copy = copy
+    param.fp8_primary_copy = copy  # kept: loading a state dict into the layer clears fp8_weight_copy
     param.fp8_primary = True
 
 
@@ -149,8 +150,6 @@ def install_fp8_primary_hooks(module: torch.nn.Module) -> None:
         params = _primary_params(sub)
         if not params or getattr(sub, "_fp8_primary_hooks", False):
             continue
-        for _, param in params:
-            param.fp8_primary_copy = param.fp8_weight_copy  # kept: loading a state dict clears fp8_weight_copy
         sub.register_state_dict_post_hook(_save_dequantized)
         sub.register_load_state_dict_pre_hook(_materialize_for_load)
         sub.register_load_state_dict_post_hook(_quantize_loaded)
