@@ -1,8 +1,11 @@
 """FP8 helpers Megatron Core code imports from `megatron.core.fp8_utils`, for this project's native FP8.
 
-Native FP8 (`megatron/core/fp8/`) quantizes the transformer layers' GEMM operands on the fly and keeps
-parameters in bf16/fp16; there are no FP8 parameter tensors and no `fp8_autocast` region: the optimisation
-plan switches the transformer layers' linears to FP8 once the model is built (`optimization_plan.apply`). So:
+Native FP8 (`megatron/core/fp8/`) quantizes the transformer layers' GEMM operands on the fly and has no
+`fp8_autocast` region: the optimisation plan switches the transformer layers' linears to FP8 once the model is
+built (`optimization_plan.apply`). With `--fp8-param-gather` the FP8 linears' weights are held only as FP8
+bytes once the distributed optimizer holds their fp32 masters (`megatron.core.fp8.params`: plain parameters whose
+values are read with `weight_values`), gathered by the distributed optimizer itself
+(`megatron.core.distributed.fp8_param_gather`), not through TE's FP8 tensor class. So:
 - `is_float8tensor` / `is_mxfp8tensor` are True only for Transformer Engine's quantized tensors, which exist
   only when TE has been imported (TE is never imported here);
 - `get_fp8_context` returns a no-op context for the native layers (their FP8 is already on), after checking
@@ -106,9 +109,9 @@ def quantize_param_shard(model_params: List[torch.Tensor], main_params: List[tor
                          start_offsets: List[int], data_parallel_group, fsdp_shard_model_params=None) -> None:
     """Cast fp32 main-parameter shards into FP8 model parameters (`--fp8-param-gather`).
 
-    Native FP8 keeps model parameters in bf16/fp16 (their copy is the optimizer's job): with no FP8 parameter
-    there is nothing to quantize. FP8 parameters come only from Transformer Engine, which this path does
-    not drive: a ValueError says so.
+    Native FP8 parameters are quantized by the distributed optimizer's own FP8 gather
+    (`megatron.core.distributed.fp8_param_gather`), so there is nothing to do here. Transformer Engine's FP8
+    parameters are not driven by this path: a ValueError says so.
     """
     _refuse_te_fp8_params("quantize_param_shard", model_params)
 

@@ -15,6 +15,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.context_parallel.batch import get_batch_on_this_cp_rank  # noqa: F401  (Megatron's import path)
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.fp8.params import weight_values
 from megatron.core.utils import unwrap_model as _unwrap_model
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.training.global_vars import get_args, get_tokenizer
@@ -96,7 +97,8 @@ def calc_params_l2_norm(model, force_create_fp32_copy: bool = False) -> float:
             if not (_param_is_not_shared(param) and _param_is_not_tp_duplicate(param)):
                 continue
             main = getattr(param, "main_param", None)
-            data = main if main is not None and not force_create_fp32_copy else param.data
+            # an FP8-primary weight (`--fp8-param-gather`) holds only FP8 values: dequantized here
+            data = main if main is not None and not force_create_fp32_copy else weight_values(param)
             total += data.detach().float().pow(2).sum().to(total.device)
     if _dist_ready():
         torch.distributed.all_reduce(total, group=mpu.get_model_parallel_group())

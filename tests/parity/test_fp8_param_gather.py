@@ -1,7 +1,8 @@
 """`--fp8-param-gather` with the distributed optimizer on gloo: a tiny FP8 GPT (hybrid, tensorwise) trained 3
 steps at DP=2 equals DP=1; the FP8 weights are all-gathered as uint8 FP8 bytes and used by the forward as
-they are, the fp32 master weights stay unquantized in the optimizer, the model's parameters hold the
-dequantized FP8 values, and the state dict loads into a model without FP8.
+they are, the fp32 master weights stay unquantized in the optimizer, the FP8 bytes are the weights' only copy
+in the model (no fp32 storage; the state dict holds the dequantized FP8 values and loads into a model without
+FP8), and training resumes bit for bit from a model state dict plus the optimizer state gathered on DP rank 0.
 
 Two launches (DP=1 and DP=2), each training with and without FP8 parameters. References written here:
 - FP8 parameters at DP=1 vs the FP8 GEMMs without FP8 parameters at DP=1: with tensorwise scaling both
@@ -13,6 +14,7 @@ import contextlib
 
 import torch
 
+from megatron.core.fp8.params import held_bytes, is_fp8_primary, weight_values
 from tests.harness import run_on_ranks
 
 VOCAB, SEQ, BATCH, STEPS, LR = 128, 16, 4, 3, 0.05
@@ -32,28 +34,33 @@ def _batches():
              torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(STEPS)]
 
 
-def _train(fp8_param):
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state as ps
+def _build(fp8_param, seed=7, optimizer="sgd"):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from tests.unit.transformer.model_setup import apply_plan, seed_all
 
-    seed_all(7)
+    seed_all(seed)
     config = _config(fp8_param)
     model = apply_plan(GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ))[0]
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                         fp8_param_gather=fp8_param), model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.9, clip_grad=1.0,
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer, lr=LR, sgd_momentum=0.9, clip_grad=1.0,
                                                        use_distributed_optimizer=True), [ddp])
+    return model, ddp, optimizer
+
+
+def _steps(model, ddp, optimizer, batches):
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
     dp_group = ps.get_data_parallel_group()
     dp_size, dp_rank = dp_group.size(), dist.get_rank(dp_group)
     losses = []
     halves = range(2) if dp_size == 1 else [dp_rank]
-    for tokens, labels in _batches():
+    for tokens, labels in batches:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         step_loss = torch.zeros(())
@@ -69,7 +76,12 @@ def _train(fp8_param):
         optimizer.step()
         dist.all_reduce(step_loss, group=dp_group)
         losses.append(step_loss.item() / dp_size)
-    return model, ddp, optimizer, losses
+    return losses
+
+
+def _train(fp8_param):
+    model, ddp, optimizer = _build(fp8_param)
+    return model, ddp, optimizer, _steps(model, ddp, optimizer, _batches())
 
 
 def _check_fp8_params(model, ddp, optimizer):
@@ -77,16 +89,38 @@ def _check_fp8_params(model, ddp, optimizer):
     assert len(fp8_weights) == 8, len(fp8_weights)  # QKV, proj, fc1, fc2 of 2 layers; embedding/head stay fp32
     fp8_buckets = [b for buffer in ddp.buffers for b in buffer.buckets if b.fp8_param_range is not None]
     assert len(fp8_buckets) == 8 and all(b.fp8_param_data.dtype == torch.uint8 for b in fp8_buckets)
+    state = model.state_dict()
+    names = {p: name for name, p in model.named_parameters()}
     for weight in fp8_weights:
         copy = weight.fp8_weight_copy
         assert copy.data.dtype == torch.float8_e4m3fn and copy.data.shape == weight.shape
-        assert torch.equal(weight.detach(), copy.dequantized(weight.dtype))  # the parameter holds the FP8 values
+        assert is_fp8_primary(weight) and weight.untyped_storage().nbytes() == weight.element_size()  # FP8 only
+        assert torch.equal(state[names[weight]], copy.dequantized(weight.dtype))  # the state dict: FP8 values
         main = optimizer.model_param_to_main_param[weight]
-        assert main.dtype == torch.float32 and main.data_ptr() != weight.data_ptr()
+        assert main.dtype == torch.float32
+    held = sum(held_bytes(w) for w in fp8_weights) / sum(w.numel() * w.element_size() for w in fp8_weights)
+    assert held <= 0.55 / 2, held  # fp32 model: 1 byte per value of 4
     # the masters are not FP8 values: some shard differs from the dequantized weight it was quantized into
-    assert any(not torch.equal(optimizer.model_param_to_main_param[w], w.detach().view(-1)[
+    assert any(not torch.equal(optimizer.model_param_to_main_param[w], weight_values(w).view(-1)[
         optimizer._get_model_param_range_map(w)["param"].start:optimizer._get_model_param_range_map(w)["param"].end])
         for w in fp8_weights)
+
+
+def _check_resume():
+    """Adam, FP8 parameters: train a step, save (model state dict, distributed-optimizer state gathered on DP
+    rank 0), load into a fresh model and optimizer (other initial weights), train one more step each: the same
+    loss and weights, bit for bit."""
+    batches = _batches()
+    model, ddp, optimizer = _build(True, optimizer="adam")
+    _steps(model, ddp, optimizer, batches[:1])
+    model_state = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    optimizer_state, param_state = optimizer.state_dict(), optimizer.get_parameter_state_dp_zero()
+    fresh, fresh_ddp, fresh_optimizer = _build(True, seed=8, optimizer="adam")
+    fresh.load_state_dict(model_state, strict=True)
+    fresh_optimizer.load_state_dict(optimizer_state)
+    fresh_optimizer.load_parameter_state_from_dp_zero(param_state)
+    assert _steps(fresh, fresh_ddp, fresh_optimizer, batches[1:2]) == _steps(model, ddp, optimizer, batches[1:2])
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items() if torch.is_tensor(v))
 
 
 def _check_checkpoint_loads_without_fp8(model):
@@ -100,7 +134,8 @@ def _check_checkpoint_loads_without_fp8(model):
                                        use_cpu_initialization=True), get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ)
     plain.load_state_dict(model.state_dict(), strict=True)
-    assert torch.equal(plain.decoder.layers[0].mlp.linear_fc1.weight, model.decoder.layers[0].mlp.linear_fc1.weight)
+    assert torch.equal(plain.decoder.layers[0].mlp.linear_fc1.weight,
+                       weight_values(model.decoder.layers[0].mlp.linear_fc1.weight))
 
 
 def _rank_body():
@@ -113,10 +148,11 @@ def _rank_body():
     results = {}
     for fp8_param in (True, False):
         model, ddp, optimizer, losses = _train(fp8_param)
+        weights = {name: p.clone().numpy() for name, p in model.state_dict().items() if torch.is_tensor(p)}
         if fp8_param:
             _check_fp8_params(model, ddp, optimizer)
             _check_checkpoint_loads_without_fp8(model)
-        weights = {name: p.detach().clone().numpy() for name, p in model.named_parameters()}
+            _check_resume()
         results[fp8_param] = (losses, weights)
     return results if dist.get_rank() == 0 else None
 

@@ -7,6 +7,9 @@ grouped into buckets of about `bucket_size` elements. A `_ParamAndGradBucketGrou
 communication: one all-reduce (or reduce-scatter for the distributed optimizer) per bucket for
 gradients, one all-gather per bucket for parameters.
 
+With `--fp8-param-gather` an FP8 parameter's bucket stores it as uint8 FP8 bytes, one tensor per bucket then
+(`_allocate_param_data`), and no bf16/fp32 copy is allocated for it (`fp8_param_gather`).
+
 Padding rules (Megatron's, so that `distrib_optim.pt` files line up): with the distributed optimizer,
 every parameter starts at a multiple of 64 elements and every bucket ends at a multiple of
 lcm(DP, 128) (and 2**16 with `pad_buckets_for_high_nccl_busbw`), so each DP rank owns an equal
@@ -22,7 +25,8 @@ import torch.distributed as dist
 from megatron.core.deferred_checks import get_deferred_checks, not_finite
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.fp8_param_gather import is_fp8_param_bucket, start_fp8_param_gather
+from megatron.core.distributed.fp8_param_gather import is_fp8_param_bucket, make_fp8_primary, start_fp8_param_gather
+from megatron.core.fp8.params import install_fp8_primary_hooks
 
 # Buckets whose local gradient norm exceeds this multiple of the largest norm seen during the first
 # `_LARGE_GRAD_WINDOW` checks are reported by `check_for_large_grads`.
@@ -97,7 +101,8 @@ class _ParamAndGradBucket:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.bucket_id = bucket_id
         self.param_to_index: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
-        # `--fp8-param-gather`: [start, end) of the bucket's one FP8 parameter in it, and its uint8 gather buffer
+        # `--fp8-param-gather`: [start, end) of the bucket's one FP8 parameter in it, and its uint8 storage (the
+        # bucket's `param_data`, all-gathered as it is)
         self.fp8_param_range: Optional[Tuple[int, int]] = None
         self.fp8_param_data: Optional[torch.Tensor] = None
         packed = 0
@@ -360,7 +365,8 @@ class _ParamAndGradBuffer:
     """Flat gradient (and parameter) storage for one (param dtype, grad dtype) pair, cut into buckets.
 
     After construction every parameter has `.main_grad`, a view into `grad_data`; with the distributed
-    optimizer `param.data` is a view into `param_data` as well.
+    optimizer `param.data` is a view into `param_data` as well (an FP8 parameter's storage is its bucket's
+    uint8 FP8 bytes instead: `fp8_param_gather`).
     """
 
     def __init__(
@@ -394,11 +400,8 @@ class _ParamAndGradBuffer:
         self.bucket_indices = bucket_indices
         self.numel = bucket_indices[-1][1] if bucket_indices else 0
         self.numel_unpadded = sum(per_bucket_numel_unpadded)
-        device = params[0].device
         self.param_data = None
-        if ddp_config.use_distributed_optimizer:
-            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=params[0].device)
         self._attach_params_and_build_buckets(per_bucket_numel_unpadded)
 
     def _bucket_end_divisor(self) -> int:
@@ -457,33 +460,78 @@ class _ParamAndGradBuffer:
             close_bucket(param_end)
         return per_bucket_numel_unpadded, bucket_indices
 
-    def _attach_params_and_build_buckets(self, per_bucket_numel_unpadded: List[int]):
+    def _bucket_params(self) -> Dict[int, List[torch.nn.Parameter]]:
         bucket_params: Dict[int, List[torch.nn.Parameter]] = {i: [] for i in range(len(self.bucket_indices))}
         for param in self.params[::-1]:
+            bucket_params[self.param_index_map[param][2]].append(param)
+        return bucket_params
+
+    def _allocate_param_data(self, fp8_bucket_ids) -> List[Optional[torch.Tensor]]:
+        """Each bucket's parameter storage with the distributed optimizer (None per bucket without): views of
+        one flat `param_data`, or, when some buckets hold FP8 parameters (`--fp8-param-gather`), one tensor per
+        bucket, a uint8 one (one byte per value, no bf16/fp32 storage) for each FP8 bucket."""
+        if not self.ddp_config.use_distributed_optimizer:
+            return [None] * len(self.bucket_indices)
+        device = self.grad_data.device
+        if not fp8_bucket_ids:
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+            return [self.param_data[start:end] for start, end in self.bucket_indices]
+        return [torch.zeros(end - start, dtype=torch.uint8 if bucket_id in fp8_bucket_ids else self.param_dtype,
+                            device=device) for bucket_id, (start, end) in enumerate(self.bucket_indices)]
+
+    def _attach_params_and_build_buckets(self, per_bucket_numel_unpadded: List[int]):
+        bucket_params = self._bucket_params()
+        fp8_bucket_ids = {bucket_id for bucket_id, params in bucket_params.items()
+                          if is_fp8_param_bucket(params, self.ddp_config)}
+        bucket_param_data = self._allocate_param_data(fp8_bucket_ids)
+        for param in self.params[::-1]:
             start, end, bucket_id = self.param_index_map[param]
-            if self.param_data is not None:
-                # Move the parameter into the shared buffer so all-gathers write straight into the model.
-                flat = self.param_data[start:end]
+            if bucket_param_data[bucket_id] is not None and bucket_id not in fp8_bucket_ids:
+                # Move the parameter into the shared buffer so all-gathers write straight into the model (an
+                # FP8 parameter keeps its storage until its FP8 copy becomes its only one: `fp8_param_gather`).
+                bucket_start = self.bucket_indices[bucket_id][0]
+                flat = bucket_param_data[bucket_id][start - bucket_start:end - bucket_start]
                 flat.copy_(param.data.reshape(-1))  # [*param.shape] -> [numel]
                 param.data = flat.view(param.shape)  # [numel] -> [*param.shape]
             param.main_grad = self.grad_data[start:end].view(param.shape)  # [numel] -> [*param.shape]
-            bucket_params[bucket_id].append(param)
         for bucket_id, (start, end) in enumerate(self.bucket_indices):
             bucket = _ParamAndGradBucket(
                 params=bucket_params[bucket_id],
-                param_data=None if self.param_data is None else self.param_data[start:end],
+                param_data=bucket_param_data[bucket_id],
                 grad_data=self.grad_data[start:end],
                 offset=start,
                 numel_unpadded=per_bucket_numel_unpadded[bucket_id],
                 gradient_scaling_factor=self.gradient_scaling_factor,
                 bucket_id=bucket_id,
             )
-            if self.param_data is not None and is_fp8_param_bucket(bucket.params_list, self.ddp_config):
+            if bucket_id in fp8_bucket_ids:
                 param_start, param_end, _ = self.param_index_map[bucket.params_list[0]]
                 bucket.fp8_param_range = (param_start - start, param_end - start)
+                bucket.fp8_param_data = bucket.param_data
             self.buckets.append(bucket)
             for param in bucket.params_list:
                 self.param_to_bucket[param] = bucket
+
+    def _fp8_buckets(self) -> List[_ParamAndGradBucket]:
+        return [bucket for bucket in self.buckets if bucket.fp8_param_range is not None]
+
+    def make_fp8_params_primary(self, modules: List[torch.nn.Module]) -> None:
+        """`--fp8-param-gather`, once the distributed optimizer holds the fp32 masters: every FP8 parameter's FP8
+        copy becomes its only copy (`fp8_param_gather.make_fp8_primary`; no communication), and the modules
+        among `modules` (and their submodules) that own one save it dequantized and quantize what they load."""
+        buckets = self._fp8_buckets()
+        for bucket in buckets:
+            make_fp8_primary(bucket)
+        if buckets:
+            for module in modules:
+                install_fp8_primary_hooks(module)
+
+    def gather_fp8_params(self) -> None:
+        """Re-quantize every FP8 parameter from the optimizer's fp32 masters and all-gather the FP8 bytes, now
+        (after the masters were loaded from a checkpoint: the FP8 copy is then the one training had)."""
+        group = self.data_parallel_group
+        for bucket in self._fp8_buckets():
+            start_fp8_param_gather(bucket, group, self.data_parallel_world_size, group.rank(), _all_gather, False)
 
     def scale_gradients(self, scaling_factor):
         """Multiply every gradient in the buffer by `scaling_factor`."""
@@ -497,10 +545,17 @@ class _ParamAndGradBuffer:
         end_index = start_index + shape.numel()
         if end_index > self.numel:
             raise ValueError("requested tensor is out of the buffer range")
-        source = self.param_data if buffer_type == BufferType.PARAM else self.grad_data
-        if source is None:
-            raise ValueError("this buffer holds no parameter data (distributed optimizer not in use)")
-        return source[start_index:end_index].view(shape)  # [numel] -> [*shape]
+        if buffer_type == BufferType.GRAD:
+            return self.grad_data[start_index:end_index].view(shape)  # [numel] -> [*shape]
+        if self.param_data is not None:
+            return self.param_data[start_index:end_index].view(shape)  # [numel] -> [*shape]
+        for bucket in self.buckets:  # parameter storage per bucket (FP8 parameters)
+            inside = bucket.offset <= start_index and end_index <= bucket.offset + bucket.grad_data.numel()
+            if inside and bucket.param_data is not None and bucket.fp8_param_range is None:
+                # [numel] -> [*shape]
+                return bucket.param_data[start_index - bucket.offset:end_index - bucket.offset].view(shape)
+        raise ValueError("this buffer holds no high-precision parameter data there (distributed optimizer not in "
+                         "use, or an FP8 parameter's bucket)")
 
 
 def partition_buckets(

@@ -13,13 +13,15 @@ from typing import List
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.fp8.params import weight_values
 
 logger = logging.getLogger(__name__)
 
 
 def _param_hash(param: torch.Tensor) -> torch.Tensor:
-    """SHA-1 of the parameter's values as fp32, as a uint8 tensor [20]."""
-    values = param.detach().to("cpu").float().contiguous().numpy()
+    """SHA-1 of the parameter's values as fp32 (an FP8-primary weight's dequantized FP8 values), as a uint8
+    tensor [20]."""
+    values = weight_values(param, torch.float32).to("cpu").contiguous().numpy()
     return torch.frombuffer(bytearray(hashlib.sha1(values).digest()), dtype=torch.uint8)
 
 

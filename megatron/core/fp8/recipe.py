@@ -52,7 +52,8 @@ class Fp8Recipe:
 
     fp8_param: bool = False
     """`--fp8-param-gather`: the FP8 layers' weights are FP8 parameters (`fp8.params`): the distributed
-    optimizer all-gathers them as FP8 bytes, which the forward uses as they are."""
+    optimizer all-gathers them as FP8 bytes, which the forward uses as they are and which are the weights'
+    only copy in the model."""
 
     def is_bf16_layer(self, layer_no: int) -> bool:
         """Whether global layer `layer_no` (0-based, counted over all pipeline stages, as Megatron's

@@ -7,6 +7,11 @@ memory per rank is about 1/DP. Per iteration: DDP reduce-scatters gradients into
 buffer, and DDP all-gathers the buffer (`start_param_sync`, or per bucket in forward pre-hooks with
 `overlap_param_gather`).
 
+FP8 parameters (`--fp8-param-gather`): the masters are made, then each FP8 weight's FP8 bytes become its only
+copy in the model (`_make_fp8_params_primary`); the step writes no model copy for them (the FP8 gather quantizes
+the masters), and after the masters are loaded from a checkpoint the FP8 bytes are gathered from them again
+(`_gather_fp8_params`), so training resumes exactly.
+
 Vocabulary of ranges (Megatron's): "gbuf_world" is a range in the whole buffer, "gbuf_world_in_bucket"
 the same relative to the bucket start, "gbuf_local" relative to this rank's shard, and "param" the part
 of the flattened parameter that this rank owns.
@@ -144,6 +149,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.model_float16_groups, self.model_fp32_groups = [], []
             self.shard_float16_groups, self.shard_fp32_groups, self.shard_fp32_from_float16_groups = [], [], []
             self.model_param_to_main_param = {}
+            self._make_fp8_params_primary()
             return
         self.model_param_group_index_map, self.opt_group_ranges = self._build_optimizer_group_ranges(
             self.optimizer.param_groups, self.gbuf_ranges
@@ -155,6 +161,22 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self.optimizer = HybridDeviceOptimizer(params=shard_groups, **self.optimizer.defaults)
         else:
             self.optimizer.param_groups = shard_groups
+        self._make_fp8_params_primary()
+
+    def _make_fp8_params_primary(self) -> None:
+        """`--fp8-param-gather`: now that the fp32 masters exist, each FP8 parameter's FP8 copy becomes its only
+        copy in the model (`fp8.params`, "FP8-primary parameters"), and its module's state dict saves the
+        dequantized values and quantizes what it loads."""
+        if self.ddp_config is None or not self.ddp_config.fp8_param_gather:
+            return
+        for buffer in self.buffers:
+            buffer.make_fp8_params_primary(self.model_chunks)
+
+    def _gather_fp8_params(self) -> None:
+        """After the masters were loaded: the FP8 copies quantized from them again (exactly those training had)."""
+        if self.ddp_config is not None and self.ddp_config.fp8_param_gather:
+            for buffer in self.buffers:
+                buffer.gather_fp8_params()
 
     # ----------------------------------------------------------------------------------------------
     # Shard layout
@@ -261,9 +283,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             model_float16, model_fp32, shard_float16, shard_fp32, shard_main16 = [], [], [], [], []
             for model_param in group_range["params"]:
                 param_range = self._get_model_param_range_map(model_param)["param"]
-                # [*param.shape] -> [numel], then this rank's piece.
-                shard_model_param = model_param.detach().view(-1)[param_range.start : param_range.end]
-                # An FP8 parameter's model data becomes its FP8 values at each gather: its fp32 master is a copy.
+                # [*param.shape] -> [numel], then this rank's piece (of the dequantized FP8 values when they are
+                # the parameter's only copy: an optimizer built again over an FP8-parameter model).
+                values = model_param.fp8_weight_copy.dequantized(torch.float32) \
+                    if getattr(model_param, "fp8_primary", False) else model_param.detach()
+                shard_model_param = values.view(-1)[param_range.start : param_range.end]
+                # An FP8 parameter's model copy is its FP8 bytes, gathered from its fp32 master.
                 fp8_param = bool(getattr(model_param, "fp8_param", False)) and self.ddp_config is not None \
                     and self.ddp_config.fp8_param_gather
                 if model_param.dtype in (torch.float16, torch.bfloat16) or fp8_param:
@@ -271,7 +296,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     precision_aware = self.config.use_precision_aware_optimizer and not fp8_param
                     shard_main_param = shard_model_param if precision_aware else shard_model_param.clone().float()
                     model_float16.append(model_param)
-                    shard_float16.append(shard_model_param)
+                    # an FP8 parameter's model copy is its FP8 bytes (`_make_fp8_params_primary`): no view to keep
+                    shard_float16.append(None if fp8_param else shard_model_param)
                     shard_main16.append(shard_main_param)
                 elif model_param.dtype == torch.float32:
                     shard_main_param = shard_model_param
@@ -307,6 +333,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         )
         for group in itertools.chain(*groups):
             for param in group:
+                if param is None:  # an FP8 parameter's (absent) model shard
+                    continue
                 if getattr(param, "decoupled_grad", None) is not None:
                     param.decoupled_grad = None
                 if param.grad is None:
@@ -329,8 +357,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.config.use_precision_aware_optimizer:
             return main_params, model_data
         for model_group, main_group in zip(self.shard_float16_groups, self.shard_fp32_from_float16_groups):
-            main_params.extend(main_group)
-            model_data.extend(model_param.data for model_param in model_group)
+            for model_shard, main_param in zip(model_group, main_group):
+                if model_shard is not None:  # FP8 parameters are gathered from their masters as FP8 bytes
+                    main_params.append(main_param)
+                    model_data.append(model_shard.data)
         return main_params, model_data
 
     def _copy_model_grads_to_main_grads(self):
@@ -352,6 +382,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Refresh main params from the model params (the hybrid optimizer refreshes its own copies)."""
         if not self.config.use_precision_aware_optimizer:
             super()._copy_model_params_to_main_params()
+        for model_param, main_param, start, stop in self._model_and_main_params():
+            if getattr(model_param, "fp8_primary", False):  # the model holds FP8 values only (`fp8.params`)
+                values = model_param.fp8_weight_copy.dequantized(torch.float32)
+                main_param.data.copy_(values.view(-1)[start:stop])  # [*shape] -> [numel], this rank's piece
         if isinstance(self.optimizer, HybridDeviceOptimizer):
             self.optimizer.update_fp32_param_by_new_param()
 
@@ -486,6 +520,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             return
         if is_sharded_load(state_dict):
             self._load_sharded_common(state_dict)
+            self._gather_fp8_params()
             return
         if not self.is_stub_optimizer:
             self._ensure_optimizer_state()
@@ -599,6 +634,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                             target = self._main_param_and_optimizer_states(model_param)[key]
                             local_range = ranges["gbuf_local"]
                             target.data.copy_(received[local_range.start : local_range.end])
+        self._gather_fp8_params()
 
     def _check_dp_zero_state(self, state_dict: Optional[Dict]):
         if state_dict is None:
@@ -665,3 +701,4 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 target = self._main_param_and_optimizer_states(model_param)[key]
                 target.detach().copy_(saved.view_as(target))
         self._copy_main_params_to_model_params()
+        self._gather_fp8_params()

@@ -54,6 +54,12 @@ def megatron_param_groups(groups: List[Dict]) -> List[Dict]:
             for group in groups]
 
 
+def _parameter_of(data: torch.Tensor) -> torch.Tensor:
+    """The model parameter a model state-dict tensor stands for: itself, or, for the dequantized values of an
+    FP8-primary weight (`--fp8-param-gather`, `megatron.core.fp8.params`), the parameter they were read from."""
+    return getattr(data, "fp8_values_of", data)
+
+
 def param_to_sharded_map(model_sharded_state_dict: Dict) -> Dict[int, Any]:
     """{id(parameter): its ShardedTensor or ShardedTensorFactory}; main replicas win over copies."""
     result: Dict[int, Any] = {}
@@ -61,14 +67,18 @@ def param_to_sharded_map(model_sharded_state_dict: Dict) -> Dict[int, Any]:
         if not isinstance(value, (ShardedTensor, ShardedTensorFactory)) or value.data is None:
             continue
         replica = value.replica_id if isinstance(value.replica_id, tuple) else (value.replica_id,)
-        if id(value.data) not in result or replica[0] == 0:
-            result[id(value.data)] = value
+        key = id(_parameter_of(value.data))
+        if key not in result or replica[0] == 0:
+            result[key] = value
     return result
 
 
 def _pieces(sharded: Any, param: torch.Tensor) -> List[Tuple[ShardedTensor, Any]]:
     """[(ShardedTensor whose data is a view of `param`, where it sits)]: its flat start in `param` when the view
-    is contiguous, else its `_StridedBox` (e.g. GroupedMLP's transposed experts)."""
+    is contiguous, else its `_StridedBox` (e.g. GroupedMLP's transposed experts). An FP8-primary weight's pieces
+    are views of its dequantized values, which stand in for the parameter (same shape, contiguous)."""
+    if _parameter_of(sharded.data) is param and sharded.data is not param:
+        param = sharded.data
     if isinstance(sharded, ShardedTensorFactory):
         built = sharded.build_fn(sharded.key, param.detach(), sharded.replica_id, None)
         pieces = [v for v in nested_values(built if isinstance(built, dict) else {"_": built})]
