@@ -76,9 +76,15 @@ def _dynamic_run(engine):
     return [done[i] for i in range(len(DYNAMIC_PROMPTS))]
 
 
-def _dynamic_engine(model, tp=1):
-    """tiny_gpt's dynamic engine (4 request slots), its buffer grown with the layer count (same chunk count)."""
-    return T.dynamic_engine(model, tp=tp, max_requests=4, buffer_gb=0.00025 * model.config.num_layers)
+def _dynamic_engine(model, tp=1, stage_kv=False):
+    """tiny_gpt's dynamic engine (4 request slots), its buffer grown with the layer count (same chunk count).
+    With `stage_kv` the key/value buffer holds only this stage's layers (`attention_layer_numbers` of the
+    stage: global numbers), its size scaled to them (the same chunk count again)."""
+    from megatron.core.inference.contexts.dynamic_context import attention_layer_numbers
+
+    numbers = attention_layer_numbers(model) if stage_kv else None
+    layers = len(numbers) if stage_kv else model.config.num_layers
+    return T.dynamic_engine(model, tp=tp, max_requests=4, buffer_gb=0.00025 * layers, kv_layer_numbers=numbers)
 
 
 def _model_kwargs(kind, layers):
@@ -223,6 +229,10 @@ def _pp_layouts(states):
         micro = _static_runs(T.static_engine(model, max_requests=4), threshold=2)  # prefill: 1 row, decode: 2
         got.update({f"micro_{key}": value for key, value in micro.items()})
         got["dynamic"] = _dynamic_run(_dynamic_engine(model, tp))
+        stage_engine = _dynamic_engine(model, tp, stage_kv=True)
+        got["dynamic_stage_kv"] = _dynamic_run(stage_engine)
+        got["stage_kv_layers"] = list(stage_engine.context.kv_layer_numbers)
+        got["stage_layers"] = [layer.layer_number for layer in model.decoder.layers]
         got["refused"] = _refusals(model, tp)
         got["drift_detected"] = _drift_detected(model, tp)
         got["first_stage"] = parallel_state.is_pipeline_first_stage()
@@ -275,6 +285,9 @@ def test_pipeline_parallel_generation_equals_single_process():
                 assert _close(got[f"{prefix}log_probs"], ref["log_probs"]), (layout, rank, prefix)
                 assert got[f"{prefix}sampled"] == ref["sampled"], (layout, rank, prefix)
             assert got["dynamic"] == ref["dynamic"], (layout, rank)
+            # a key/value buffer of the stage's own layers only: the same tokens
+            assert got["dynamic_stage_kv"] == ref["dynamic"], (layout, rank)
+            assert got["stage_kv_layers"] == got["stage_layers"] and len(got["stage_layers"]) < layout[1], rank
             assert len(got["refused"]) == 2, (layout, rank)
             assert got["drift_detected"] == got["first_stage"], (layout, rank)
             # the threshold split the forwards: a prefill of b rows into b, a 4-row decode step into 2

@@ -69,7 +69,8 @@ def static_engine(model, max_requests: int = 8, tokenizer_=None):
     return StaticInferenceEngine(controller, max_batch_size=max_requests)
 
 
-def dynamic_engine(model, tp: int = 1, chunk: int = 8, max_requests: int = 4, buffer_gb: float = 0.0005):
+def dynamic_engine(model, tp: int = 1, chunk: int = 8, max_requests: int = 4, buffer_gb: float = 0.0005,
+                   kv_layer_numbers=None):
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
@@ -82,7 +83,7 @@ def dynamic_engine(model, tp: int = 1, chunk: int = 8, max_requests: int = 4, bu
         params_dtype=torch.float32, num_layers=config.num_layers, kv_channels=config.kv_channels,
         num_attention_heads=config.num_query_groups, max_sequence_length=MAX_SEQ, buffer_size_gb=buffer_gb,
         buffer_guaranteed_fraction=0.1, chunk_size_tokens=chunk, max_requests_override=max_requests,
-        max_tokens_override=64, tensor_model_parallel_size=tp,
+        max_tokens_override=64, tensor_model_parallel_size=tp, kv_layer_numbers=kv_layer_numbers,
     )
     wrapped = GPTInferenceWrapper(model, wrapper_config(), inference_context=context)
     return DynamicInferenceEngine(TextGenerationController(wrapped, tokenizer()), context,
