@@ -368,12 +368,11 @@ def _chunk_cumsum(dt, A, dt_bias, dt_softplus, nchunks, chunk_size):
     return delta, cs
 
 
-def _states(x, B, delta, cs, initial_states, chunk_size, dtype=None):
-    """States entering each chunk [b, c, h, p, n] in `dtype` (default x's: the forward's products that read
-    them run in it) and the final state [b, h, p, n] fp32. The backward keeps them in fp32: the chunk-end
-    d cs sums dS * h over p x n terms of both signs, which bf16-rounded states would swamp."""
+def _states(x, B, delta, cs, initial_states, chunk_size):
+    """States entering each chunk [b, c, h, p, n] in x's dtype (the products that read them run in it) and the
+    final state [b, h, p, n] fp32."""
     b, seqlen, nheads, headdim, ngroups, dstate, nchunks, hpg, prec = _dims(x, B, chunk_size)
-    states = torch.empty(b, nchunks, nheads, headdim, dstate, device=x.device, dtype=dtype or x.dtype)
+    states = torch.empty(b, nchunks, nheads, headdim, dstate, device=x.device, dtype=x.dtype)
     final = torch.empty(b, nheads, headdim, dstate, device=x.device, dtype=torch.float32)
     bp, bn = min(_STATE_BLOCK, _pow2(headdim)), min(_STATE_BLOCK, _pow2(dstate))
     init = initial_states.contiguous() if initial_states is not None else final
@@ -405,7 +404,7 @@ def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_sta
 
 
 def _backward_states(g, C, cs, states, final, dfinal, chunk_size):
-    """(dS [b, c, h, p, n] in the states' dtype, d initial state [b, h, p, n] fp32, chunk-end d cs [b, h, c] fp32)."""
+    """(dS [b, c, h, p, n] in g's dtype, d initial state [b, h, p, n] fp32, chunk-end d cs [b, h, c] fp32)."""
     b, seqlen, nheads, headdim, ngroups, dstate, nchunks, hpg, prec = _dims(g, C, chunk_size)
     ds = torch.empty_like(states)
     dinit = torch.empty_like(final)  # fp32
@@ -486,7 +485,7 @@ class _SSDChunkScan(torch.autograd.Function):
             g = dy
         nchunks = triton.cdiv(x.shape[1], q)
         delta, cs = _chunk_cumsum(dt, A, dt_bias, ctx.dt_softplus, nchunks, q)
-        states, final = _states(x, B, delta, cs, initial_states, q, torch.float32)
+        states, final = _states(x, B, delta, cs, initial_states, q)
         ds, dinit, dend = _backward_states(g, C, cs, states, final, dfinal, q)
         d_full = None
         if D is not None:
