@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.inference.engines.static_engine import StaticInferenceEngine  # noqa: E402
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper  # noqa: E402
 from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig  # noqa: E402
@@ -26,9 +25,9 @@ from megatron.inference.text_generation.mcore_engine_server import (  # noqa: E4
     ModelParallelSync,
     serve_follower_ranks,
 )
+from megatron.inference.model_loading import load_inference_model  # noqa: E402
 from megatron.inference.text_generation_server import MegatronServer  # noqa: E402
-from megatron.training import get_args, get_model, get_tokenizer, initialize_megatron  # noqa: E402
-from megatron.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron.training import get_tokenizer  # noqa: E402
 from pretrain_gpt import model_provider  # noqa: E402
 
 
@@ -63,19 +62,10 @@ def get_inference_engine(args, model) -> StaticInferenceEngine:
 
 
 def main() -> None:
-    initialize_megatron(extra_args_provider=add_text_generate_args,
-                        args_defaults={"no_load_rng": True, "no_load_optim": True, "exit_on_missing_checkpoint": True,
-                                       "micro_batch_size": 1})
-    args = get_args()
+    args, model = load_inference_model(model_provider, add_text_generate_args)
     if args.max_batch_size is not None:
         args.inference_max_batch_size = max(args.inference_max_batch_size, args.max_batch_size)
-    if args.virtual_pipeline_model_parallel_size is not None:
-        raise SystemExit("error: interleaved pipeline schedules are not supported for inference")
-    model = get_model(model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
-    if args.load is not None:
-        load_checkpoint(model, None, None)
-    model[0].eval()
-    engine = get_inference_engine(args, model[0])
+    engine = get_inference_engine(args, model)
     if engine.text_generation_controller.inference_wrapped_model.inference_wrapper_config.enable_cuda_graph:
         from megatron.core.inference.sampling_params import SamplingParams
 

@@ -74,11 +74,10 @@ def _run_pretrain(name, flags, warmup, smoke, timeout, profile_out=None):
     script = [os.path.join(ROOT, "pretrain_gpt.py")]
     timed = int(flags[flags.index("--train-iters") + 1])  # log lines of the timed iterations (log interval 1)
     if profile_out:
-        iters = int(flags[flags.index("--train-iters") + 1])
         flags = list(flags)
-        flags[flags.index("--train-iters") + 1] = str(iters + 3)
-        flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters + 1),
-                  "--profile-step-end", str(iters + 3)]
+        flags[flags.index("--train-iters") + 1] = str(timed + 3)
+        flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(timed + 1),
+                  "--profile-step-end", str(timed + 3)]
         script = [os.path.join(ROOT, "benchmarks", "gpu", "profile_pretrain.py"), "--profile-out", profile_out, "--"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                *script, *flags]
@@ -132,15 +131,11 @@ def _gemm_case(tokens, k_dim, n_dim, sizes, device, dtype, repeats):
     def grouped():
         gg.gmm(a, b, host_sizes).backward(grad)
 
-    def slice_loop():
-        gg.slice_loop_gmm(a, b, host_sizes).backward(grad)
-
     def dense():
         (a @ w).backward(grad)
 
     flops = 3 * 2 * tokens * k_dim * n_dim  # forward + 2 backward GEMMs
-    return (_time(grouped, device, repeats), _time(dense, device, repeats), flops,
-            _time(slice_loop, device, repeats))
+    return _time(grouped, device, repeats), _time(dense, device, repeats), flops
 
 
 def _skewed(total, experts):
@@ -162,11 +157,10 @@ def gemm_bench(shape, smoke, repeats):
     rows = []
     for routing, sizes in (("balanced", [tokens // experts] * experts), ("skewed", _skewed(tokens, experts))):
         for name, k_dim, n_dim in (("fc1", hidden, 2 * ffn), ("fc2", ffn, hidden)):
-            grouped_s, dense_s, flops, loop_s = _gemm_case(tokens, k_dim, n_dim, sizes, device, dtype, repeats)
+            grouped_s, dense_s, flops = _gemm_case(tokens, k_dim, n_dim, sizes, device, dtype, repeats)
             rows.append({"gemm": name, "routing": routing, "rows_per_expert": sizes, "shape": [tokens, k_dim, n_dim],
                          "grouped_tflops": flops / grouped_s / 1e12, "dense_tflops": flops / dense_s / 1e12,
-                         "ratio": dense_s / grouped_s, "slice_loop_tflops": flops / loop_s / 1e12,
-                         "slice_loop_ratio": dense_s / loop_s})
+                         "ratio": dense_s / grouped_s})
     from megatron.core.transformer.moe import grouped_gemm_util as gg
 
     native = device.type == "cuda" and gg.torch_grouped_mm_supported(device, dtype)
@@ -194,8 +188,7 @@ def main(argv=None):
     result["gemm"] = {"rows": []} if args.skip_gemm else gemm_bench(shape, args.smoke, 3 if args.smoke else 20)
     for row in result["gemm"]["rows"]:
         print(f"gemm {row['gemm']} {row['routing']:8s} grouped {row['grouped_tflops']:7.1f} TFLOP/s  dense "
-              f"{row['dense_tflops']:7.1f} TFLOP/s  ratio {row['ratio']:.3f}  slice-loop {row['slice_loop_tflops']:7.1f} "
-              f"TFLOP/s ratio {row['slice_loop_ratio']:.3f}", flush=True)
+              f"{row['dense_tflops']:7.1f} TFLOP/s  ratio {row['ratio']:.3f}", flush=True)
     timeout = 600 if args.smoke else 1800
     common = _common(shape, iters, args.smoke)
     for name in args.runs:

@@ -22,7 +22,6 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir, o
 sys.path.insert(0, ROOT)
 
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.inference.contexts.dynamic_context import (  # noqa: E402
     DynamicInferenceContext,
     attention_layer_numbers,
@@ -35,8 +34,8 @@ from megatron.core.inference.sampling_params import SamplingParams  # noqa: E402
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (  # noqa: E402
     TextGenerationController,
 )
-from megatron.training import get_args, get_model, get_tokenizer, initialize_megatron  # noqa: E402
-from megatron.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron.inference.model_loading import load_inference_model  # noqa: E402
+from megatron.training import get_tokenizer  # noqa: E402
 from pretrain_gpt import model_provider  # noqa: E402
 
 
@@ -98,17 +97,8 @@ def run(engine, prompts, sampling_params, per_step=None):
 
 
 def main() -> None:
-    initialize_megatron(extra_args_provider=add_dynamic_inference_args,
-                        args_defaults={"no_load_rng": True, "no_load_optim": True, "exit_on_missing_checkpoint": True,
-                                       "micro_batch_size": 1})
-    args = get_args()
-    if args.virtual_pipeline_model_parallel_size is not None:
-        raise SystemExit("error: interleaved pipeline schedules are not supported for inference")
-    model = get_model(model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
-    if args.load is not None:
-        load_checkpoint(model, None, None)
-    model[0].eval()
-    engine = build_engine(args, model[0])
+    args, model = load_inference_model(model_provider, add_dynamic_inference_args)
+    engine = build_engine(args, model)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             num_tokens_to_generate=args.num_tokens_to_generate)
     results = run(engine, args.prompts, params, args.incoming_requests_per_step)

@@ -27,13 +27,7 @@ def _static(model, graphs, max_requests=8):
 def _dynamic_run(model, prompts, budgets, graphs, arrivals):
     engine = T.dynamic_engine(model, max_requests=4)
     engine.controller.inference_wrapped_model.set_decode_graphs(graphs)
-    done, step = {}, 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for rid in arrivals.get(step, []):
-            engine.add_request(rid, prompts[rid], budgets[rid])
-        finished, _ = engine.step(_greedy())
-        done.update((r.request_id, r.generated_tokens) for r in finished)
-        step += 1
+    done = T.run_with_arrivals(engine, prompts, budgets, arrivals, _greedy())
     return [done[i] for i in range(len(prompts))], engine
 
 

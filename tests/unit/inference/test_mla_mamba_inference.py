@@ -112,14 +112,7 @@ def dynamic_engine(model, tp: int = 1, max_requests: int = 4, cache_mla_latents:
 
 def _run_mid_flight(engine, prompts, budgets, arrivals):
     """Requests join before the steps `arrivals` names; returns {request id: generated tokens}."""
-    done, step = {}, 0
-    while step <= max(arrivals) or engine.has_unfinished_requests():
-        for rid in arrivals.get(step, []):
-            engine.add_request(rid, prompts[rid], budgets[rid])
-        finished, _ = engine.step(_greedy())
-        done.update((r.request_id, r.generated_tokens) for r in finished)
-        step += 1
-    return done
+    return T.run_with_arrivals(engine, prompts, budgets, arrivals, _greedy())
 
 
 def _check_dynamic(model, prompts, budgets, arrivals, **kw):

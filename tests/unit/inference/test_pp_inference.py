@@ -66,13 +66,7 @@ def _static_runs(engine, threshold=-1):
 
 def _dynamic_run(engine):
     """Generated tokens of DYNAMIC_PROMPTS joining at the steps of ARRIVALS (4 request slots)."""
-    done, step = {}, 0
-    while step <= max(ARRIVALS) or engine.has_unfinished_requests():
-        for rid in ARRIVALS.get(step, []):
-            engine.add_request(rid, DYNAMIC_PROMPTS[rid], DYNAMIC_BUDGETS[rid])
-        finished, _ = engine.step(_greedy())
-        done.update((r.request_id, r.generated_tokens) for r in finished)
-        step += 1
+    done = T.run_with_arrivals(engine, DYNAMIC_PROMPTS, DYNAMIC_BUDGETS, ARRIVALS, _greedy())
     return [done[i] for i in range(len(DYNAMIC_PROMPTS))]
 
 

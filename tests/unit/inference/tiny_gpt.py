@@ -91,6 +91,19 @@ def dynamic_engine(model, tp: int = 1, chunk: int = 8, max_requests: int = 4, bu
 
 
 @torch.no_grad()
+def run_with_arrivals(engine, prompts, budgets, arrivals, sampling_params):
+    """Step a dynamic engine while requests join before the steps `arrivals` ({step: [request ids]}) names;
+    returns {request id: generated tokens}."""
+    done, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for rid in arrivals.get(step, []):
+            engine.add_request(rid, prompts[rid], budgets[rid])
+        finished, _ = engine.step(sampling_params)
+        done.update((r.request_id, r.generated_tokens) for r in finished)
+        step += 1
+    return done
+
+
 def reference_greedy(model, prompt_tokens, num_tokens: int, eod: int = VOCAB - 1):
     """Greedy tokens by recomputing the whole sequence every step (no KV cache)."""
     ids = list(prompt_tokens)

@@ -41,58 +41,6 @@ def _loop_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool) -> t
     return torch.cat(outputs, dim=0)
 
 
-def _host_sizes(batch_sizes):
-    return batch_sizes.tolist() if torch.is_tensor(batch_sizes) else [int(n) for n in batch_sizes]
-
-
-def _weight(b: torch.Tensor, group: int, trans_b: bool) -> torch.Tensor:
-    return b[group].t() if trans_b else b[group]  # [K, M]
-
-
-class _SliceLoopGmm(torch.autograd.Function):
-    """The grouped product as one dense matmul per group written straight into its rows of one output
-    (forward and both backward products use `out=` slices: no split / concatenation copies), the weight
-    gradient of an empty group zero. Each group's GEMM is a cuBLAS call of the full K x M shape."""
-
-    @staticmethod
-    def forward(ctx, a, b, sizes, trans_b):
-        out = a.new_empty(a.shape[0], b.shape[-2] if trans_b else b.shape[-1])  # [N, M]
-        start = 0
-        for group, rows in enumerate(sizes):
-            if rows:
-                torch.mm(a[start:start + rows], _weight(b, group, trans_b), out=out[start:start + rows])
-            start += rows
-        ctx.save_for_backward(a, b)
-        ctx.sizes, ctx.trans_b = sizes, trans_b
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        grad = grad.contiguous()  # [N, M]
-        grad_a = torch.empty_like(a) if ctx.needs_input_grad[0] else None
-        grad_b = torch.empty_like(b) if ctx.needs_input_grad[1] else None
-        start = 0
-        for group, rows in enumerate(ctx.sizes):
-            g_rows, a_rows = grad[start:start + rows], a[start:start + rows]
-            if grad_a is not None and rows:
-                torch.mm(g_rows, _weight(b, group, ctx.trans_b).t(), out=grad_a[start:start + rows])
-            if grad_b is not None:
-                if not rows:
-                    grad_b[group].zero_()
-                elif ctx.trans_b:  # b[g] is [M, K]: its gradient is grad^T a
-                    torch.mm(g_rows.t(), a_rows, out=grad_b[group])
-                else:  # b[g] is [K, M]: a^T grad
-                    torch.mm(a_rows.t(), g_rows, out=grad_b[group])
-            start += rows
-        return grad_a, grad_b, None, None
-
-
-def slice_loop_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) -> torch.Tensor:
-    """`gmm` as one cuBLAS matmul per group into slices of one output ([N, K] x [G, K, M] -> [N, M])."""
-    return _SliceLoopGmm.apply(a, b, _host_sizes(batch_sizes), trans_b)
-
-
 def _offsets(batch_sizes, device) -> torch.Tensor:
     sizes = batch_sizes if torch.is_tensor(batch_sizes) else torch.tensor(list(batch_sizes))
     # rows per group -> cumulative end offsets, int32 on the device (from pinned memory: no host wait)
@@ -157,5 +105,4 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) ->
 ops = SimpleNamespace(gmm=gmm)
 """Megatron's `grouped_gemm_util.ops` namespace: `ops.gmm(a, b, batch_sizes, trans_b=False)`."""
 
-__all__ = ["grouped_gemm_is_available", "assert_grouped_gemm_is_available", "torch_grouped_mm_supported", "gmm",
-           "slice_loop_gmm", "ops"]
+__all__ = ["grouped_gemm_is_available", "assert_grouped_gemm_is_available", "torch_grouped_mm_supported", "gmm", "ops"]

@@ -139,29 +139,6 @@ def test_grouped_gemm_loop_fallback_matches_per_group_matmuls():
     assert not gg.torch_grouped_mm_supported(torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("trans_b", [False, True])
-def test_slice_loop_grouped_gemm_values_and_gradients(trans_b):
-    """The per-group matmul into output slices against the split/concatenate loop (values and both
-    gradients; the empty group's weight gradient is zero)."""
-    from megatron.core.transformer.moe import grouped_gemm_util as gg
-
-    a = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(4, 4, 6, dtype=torch.float64) if trans_b else torch.randn(4, 6, 4, dtype=torch.float64)
-    b.requires_grad_()
-    sizes = torch.tensor([3, 0, 4, 2])
-    grad = torch.randn(9, 4, dtype=torch.float64)
-    got = gg.slice_loop_gmm(a, b, sizes, trans_b)
-    got.backward(grad)
-    got_grads = a.grad.clone(), b.grad.clone()
-    a.grad, b.grad = None, None
-    want = gg._loop_gmm(a, b, sizes, trans_b)
-    want.backward(grad)
-    assert torch.allclose(got, want) and torch.allclose(got_grads[0], a.grad) and torch.allclose(got_grads[1], b.grad)
-    assert torch.equal(got_grads[1][1], torch.zeros_like(b[1]))
-    assert torch.autograd.gradcheck(lambda x, w: gg.slice_loop_gmm(x, w, sizes, trans_b), (a.detach().requires_grad_(),
-                                                                                       b.detach().requires_grad_()))
-
-
 def test_moe_layer_pattern_and_decoder_block_specs():
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
