@@ -19,6 +19,7 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.fusions._compile import CudaCompiled
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
@@ -34,6 +35,29 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 
+def _weighted_swiglu_forward(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.chunk(y, 2, dim=-1)
+    return (F.silu(gate) * up * weights).to(y.dtype)
+
+
+def _weighted_swiglu_backward(grad_output: torch.Tensor, y: torch.Tensor, weights: torch.Tensor):
+    gate, up = torch.chunk(y, 2, dim=-1)
+    compute = torch.promote_types(y.dtype, weights.dtype)
+    gate, up, g = gate.to(compute), up.to(compute), grad_output.to(compute)
+    sigmoid = torch.sigmoid(gate)
+    silu = gate * sigmoid
+    weighted = g * weights.to(compute)
+    d_gate = weighted * up * sigmoid * (1 + gate * (1 - sigmoid))
+    d_up = weighted * silu
+    d_weights = (g * silu * up).sum(dim=-1, keepdim=True)
+    return torch.cat([d_gate, d_up], dim=-1).to(y.dtype), d_weights.to(weights.dtype)
+
+
+# one fused kernel each way on CUDA (the MoE layer itself runs eagerly); eager on CPU
+_weighted_swiglu_forward_fused = CudaCompiled(_weighted_swiglu_forward)
+_weighted_swiglu_backward_fused = CudaCompiled(_weighted_swiglu_backward)
+
+
 class WeightedSwiGLU(torch.autograd.Function):
     """`(silu(gate) * up * w).to(y.dtype)` of y = [gate | up]; saves only y and w (the activation is
     recomputed in backward). w [N, 1] may be fp32 with a bf16 y: the product is then taken in fp32."""
@@ -42,23 +66,13 @@ class WeightedSwiGLU(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, weights: torch.Tensor):
         """[N, 2f] x [N, 1] -> [N, f]."""
         ctx.save_for_backward(y, weights)
-        gate, up = torch.chunk(y, 2, dim=-1)
-        return (F.silu(gate) * up * weights).to(y.dtype)
+        return _weighted_swiglu_forward_fused(y, weights)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         """d gate, d up from grad * w; d w = sum(grad * silu(gate) * up)."""
         y, weights = ctx.saved_tensors
-        gate, up = torch.chunk(y, 2, dim=-1)
-        compute = torch.promote_types(y.dtype, weights.dtype)
-        gate, up, g = gate.to(compute), up.to(compute), grad_output.to(compute)
-        sigmoid = torch.sigmoid(gate)
-        silu = gate * sigmoid
-        weighted = g * weights.to(compute)
-        d_gate = weighted * up * sigmoid * (1 + gate * (1 - sigmoid))
-        d_up = weighted * silu
-        d_weights = (g * silu * up).sum(dim=-1, keepdim=True)
-        return torch.cat([d_gate, d_up], dim=-1).to(y.dtype), d_weights.to(weights.dtype)
+        return _weighted_swiglu_backward_fused(grad_output.contiguous(), y, weights)
 
 
 def weighted_swiglu(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -164,6 +178,15 @@ class GroupedMLP(MegatronModule):
             return output
         return fc2(self._activation_with_probs(fc1_output, probs))
 
+    def _gmm(self, x, weight, shape, tokens_per_expert):
+        """x [N, K] by the local experts' [L, K, M] views of `weight`; with gradient-accumulation fusion (and
+        DDP's `main_grad`, eager) the weight gradient goes straight into `main_grad`."""
+        # [H, L*F1] -> [L, H, F1]; [L*F2, H] -> [L, F2, H] (a reinterpretation of the memory, as Megatron's)
+        if (self.config.gradient_accumulation_fusion and getattr(weight, "main_grad", None) is not None
+                and not torch.compiler.is_compiling()):
+            return gg.gmm_into_main_grad(x, weight, shape, tokens_per_expert)
+        return gg.ops.gmm(x, weight.view(shape), tokens_per_expert)
+
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         """[N, H] rows grouped by local expert -> ([N, H], None)."""
@@ -172,10 +195,10 @@ class GroupedMLP(MegatronModule):
         hidden = self.config.hidden_size
         if hidden_states.nelement() != 0:
             # [H, L*F1] -> [L, H, F1]; [L*F2, H] -> [L, F2, H]
-            w1 = self.weight1.view(self.num_local_experts, hidden, -1)
-            w2 = self.weight2.view(self.num_local_experts, -1, hidden)
-            output = self._mlp(hidden_states, probs, lambda x: gg.ops.gmm(x, w1, tokens_per_expert),
-                               lambda x: gg.ops.gmm(x, w2, tokens_per_expert))
+            shape1 = (self.num_local_experts, hidden, self.weight1.shape[-1] // self.num_local_experts)
+            shape2 = (self.num_local_experts, self.weight2.shape[0] // self.num_local_experts, hidden)
+            output = self._mlp(hidden_states, probs, lambda x: self._gmm(x, self.weight1, shape1, tokens_per_expert),
+                               lambda x: self._gmm(x, self.weight2, shape2, tokens_per_expert))
         else:
             # No rows for any local expert: a plain matmul on the empty input still gives every weight a
             # (zero) gradient, so DDP sees gradients of all parameters.

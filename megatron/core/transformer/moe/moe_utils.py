@@ -392,6 +392,67 @@ def sort_chunks_by_idxs(
     return output, permuted_probs
 
 
+class _TopkPermutation:
+    """Where every route of a top-k routing goes, when every token has exactly k routes (dropless top-k):
+    `sorted_indices` [N] the token of each permuted row (expert-major, as `permute`), `inverse` [T*k] the
+    permuted rows of token 0, then token 1, ... (each token's k rows in expert order). Both directions of the
+    permutation are then gathers, with no scatter-add (atomics) in the forward or the backward."""
+
+    def __init__(self, sorted_indices: torch.Tensor, num_tokens: int, topk: int):
+        self.sorted_indices = sorted_indices
+        self.num_tokens, self.topk = num_tokens, topk
+        # rows sorted by their token (stable: expert order within a token)
+        self.inverse = torch.argsort(sorted_indices, stable=True)
+
+    def sum_per_token(self, rows: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [T, H]: each token's k rows summed (accumulated in fp32, rounded once)."""
+        # [N, H] -> [T*k, H] -> [T, k, H] -> [T, H]
+        gathered = rows.index_select(0, self.inverse).view(self.num_tokens, self.topk, rows.shape[-1])
+        return gathered.sum(dim=1, dtype=torch.float32).to(rows.dtype) if self.topk > 1 else gathered[:, 0]
+
+
+class _GatherPermute(torch.autograd.Function):
+    """tokens [T, H] -> their routed rows [N, H]; backward sums each token's k row gradients."""
+
+    @staticmethod
+    def forward(ctx, tokens, mapping):
+        ctx.mapping = mapping
+        return tokens.index_select(0, mapping.sorted_indices)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        return ctx.mapping.sum_per_token(grad_rows), None
+
+
+class _GatherUnpermute(torch.autograd.Function):
+    """routed rows [N, H] -> [T, H], each token's k rows summed; backward gathers the token gradient."""
+
+    @staticmethod
+    def forward(ctx, rows, mapping):
+        ctx.mapping = mapping
+        return mapping.sum_per_token(rows)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        return grad_tokens.index_select(0, ctx.mapping.sorted_indices), None
+
+
+def permute_topk(tokens: torch.Tensor, routing_map: torch.Tensor, topk: int, probs: Optional[torch.Tensor] = None):
+    """`permute` for a routing map with exactly `topk` routes per token (dropless top-k); returns (permuted
+    [T*k, H], permuted probs [T*k] or None, the mapping for `unpermute_topk`). Same rows and order as `permute`;
+    the gradients are gathers instead of scatter-adds."""
+    num_tokens = tokens.shape[0]
+    expert_ids, sorted_indices = _expert_major_routes(routing_map, num_tokens * topk)
+    mapping = _TopkPermutation(sorted_indices, num_tokens, topk)
+    permuted_probs = probs[sorted_indices, expert_ids] if probs is not None else None
+    return _GatherPermute.apply(tokens, mapping), permuted_probs, mapping
+
+
+def unpermute_topk(permuted_tokens: torch.Tensor, mapping: _TopkPermutation) -> torch.Tensor:
+    """Inverse of `permute_topk`: [T*k, H] -> [T, H], each token's k rows summed."""
+    return _GatherUnpermute.apply(permuted_tokens, mapping)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Auxiliary-loss tracking (read by the training log)
 # ---------------------------------------------------------------------------------------------------------
@@ -633,7 +694,8 @@ def group_rank(group) -> int:
 __all__ = [
     "switch_load_balancing_loss_func", "sequence_load_balancing_loss_func", "z_loss_func", "sinkhorn",
     "get_capacity", "MoEAuxLossAutoScaler", "group_limited_topk", "pad_routing_map", "topk_softmax_with_capacity",
-    "permute", "unpermute", "sort_chunks_by_idxs", "get_moe_layer_wise_logging_tracker",
+    "permute", "unpermute", "permute_topk", "unpermute_topk", "sort_chunks_by_idxs",
+    "get_moe_layer_wise_logging_tracker",
     "save_to_aux_losses_tracker", "clear_aux_losses_tracker", "reduce_aux_losses_tracker_across_ranks",
     "track_moe_metrics", "get_updated_expert_bias", "maybe_move_tensor_to_cpu", "RandomSTE",
     "apply_random_logits", "RouterGatingLinearFunction", "router_gating_linear", "get_default_model_comm_pgs",

@@ -37,8 +37,10 @@ from megatron.core.transformer.moe.moe_utils import (
     group_size,
     pad_routing_map,
     permute,
+    permute_topk,
     sort_chunks_by_idxs,
     unpermute,
+    unpermute_topk,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import module_available
@@ -222,6 +224,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor.")
         self.capacity = None
         self._pending = None
+        self.exact_topk_routes = False
 
     def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
         """Split sizes and rows per local expert from the routing map [T, E]; starts their host copy.
@@ -241,12 +244,15 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
                 self.output_splits = list(self.input_splits)
                 self.output_splits_tp = [self.capacity * self.num_local_experts * self.ep_size] * self.tp_size
             self._pending = None
+            self.exact_topk_routes = False
             return torch.full((self.num_local_experts,), self.capacity * self.tp_size * self.ep_size, dtype=torch.long)
         # [E] rows this rank sends to each expert
         num_local_tokens_per_expert = routing_map.sum(dim=0).long()
         counts = {"tokens_per_expert": num_local_tokens_per_expert}
         dynamic = self.config.moe_expert_capacity_factor is not None or self.config.moe_router_padding_for_fp8
         self.num_out_tokens = None if dynamic else num_tokens * self.config.moe_router_topk
+        # dropless top-k: every token has exactly k routes, so both permutations are gathers
+        self.exact_topk_routes = not dynamic
         if dynamic:
             counts["num_out_tokens"] = num_local_tokens_per_expert.sum().view(1)
         if self.ep_size > 1 or self.tp_size > 1:
@@ -308,6 +314,10 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         if self.num_out_tokens is None:
             self._host_counts()
         self.hidden_shape_before_permute = hidden_states.shape
+        if self.exact_topk_routes:
+            permuted_tokens, permuted_probs, self.reversed_local_input_permutation_mapping = permute_topk(
+                hidden_states, self.routing_map, self.config.moe_router_topk, probs=probs)
+            return permuted_tokens, permuted_probs
         permuted_tokens, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
             hidden_states, self.routing_map, probs=probs, num_out_tokens=self.num_out_tokens,
             fused=self.config.moe_permute_fusion, drop_and_pad=self.drop_and_pad)
@@ -379,9 +389,12 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(permutated_local_input_tokens)
             self.shared_experts.post_forward_comm()
-        output = unpermute(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
-                           restore_shape=self.hidden_shape_before_permute, routing_map=self.routing_map,
-                           fused=self.config.moe_permute_fusion, drop_and_pad=self.drop_and_pad)
+        if self.exact_topk_routes:
+            output = unpermute_topk(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping)
+        else:
+            output = unpermute(permutated_local_input_tokens, self.reversed_local_input_permutation_mapping,
+                               restore_shape=self.hidden_shape_before_permute, routing_map=self.routing_map,
+                               fused=self.config.moe_permute_fusion, drop_and_pad=self.drop_and_pad)
         output = output.view(self.hidden_shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()

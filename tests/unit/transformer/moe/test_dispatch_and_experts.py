@@ -34,6 +34,31 @@ def test_permute_unpermute_worked_example():
     assert padded_indices.tolist() == [0, 2, 1, 0, 0, 1, 2, 0]
 
 
+@pytest.mark.parametrize("topk", [1, 2, 3])
+def test_topk_gather_permutation_equals_permute_and_unpermute(topk):
+    """Dropless top-k: `permute_topk` / `unpermute_topk` give `permute` / `unpermute`'s rows, order, sums and
+    gradients (their backward gathers instead of scatter-adding)."""
+    gen = torch.Generator().manual_seed(topk)
+    num_tokens, num_experts, hidden = 11, 5, 6
+    routes = [torch.randperm(num_experts, generator=gen)[:topk].tolist() for _ in range(num_tokens)]
+    routing_map = _map(routes, num_tokens, num_experts)
+    probs = torch.rand(num_tokens, num_experts, generator=gen) * routing_map
+    tokens = torch.randn(num_tokens, hidden, generator=gen)
+    results = []
+    for gather in (False, True):
+        x, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+        if gather:
+            rows, row_probs, mapping = moe_utils.permute_topk(x, routing_map, topk, probs=p)
+        else:
+            rows, row_probs, mapping = permute(x, routing_map, probs=p, num_out_tokens=num_tokens * topk)
+        weighted = rows * (row_probs.unsqueeze(-1) + torch.arange(rows.shape[0]).unsqueeze(-1))
+        out = moe_utils.unpermute_topk(weighted, mapping) if gather else unpermute(weighted, mapping, tokens.shape)
+        out.pow(2).sum().backward()
+        results.append((rows, row_probs, out, x.grad, p.grad))
+    for got, want in zip(results[1], results[0]):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
 def test_alltoall_counts_and_chunk_sort_worked_example(monkeypatch):
     """EP = 2, L = 2, k = 2, T = 3 per rank, seen from EP rank 0 (the other rank's counts come from the
     all-gather): rank 0 routes t0->{0,2}, t1->{1,2}, t2->{0,3}; rank 1 routes t0->{1,3}, t1->{0,1}, t2->{2,3}."""
@@ -112,6 +137,31 @@ def test_grouped_and_sequential_experts_agree_and_empty_experts_get_zero_grads(p
     grouped.zero_grad()
     out.sum().backward()
     assert grouped.weight1.grad is not None and grouped.weight2.grad is not None
+
+
+@pytest.mark.parametrize("params_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_accumulate_weight_grads_into_main_grad(params_dtype):
+    """Gradient-accumulation fusion: the grouped experts' weight gradients go straight into DDP's fp32
+    `main_grad` (two micro batches accumulate; an empty expert adds nothing), equal to autograd's gradients."""
+    torch.manual_seed(0)
+    plain = _experts(True, params_dtype=params_dtype)
+    fused = _experts(True, params_dtype=params_dtype, gradient_accumulation_fusion=True)
+    fused.load_state_dict(plain.state_dict())
+    for p in fused.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    batches = [(torch.randn(8, 16), torch.rand(8), torch.tensor([3, 0, 4, 1])),
+               (torch.randn(6, 16), torch.rand(6), torch.tensor([0, 2, 2, 2]))]
+    for x, probs, sizes in batches:
+        for experts in (plain, fused):
+            out, _ = experts(x.to(params_dtype), sizes, probs)
+            out.float().pow(2).sum().backward()
+    for name, p in plain.named_parameters():
+        q = dict(fused.named_parameters())[name]
+        assert q.grad_added_to_main_grad
+        tol = 1e-5 if params_dtype == torch.float32 else 2e-2
+        assert torch.allclose(q.main_grad, p.grad.float(), rtol=tol, atol=tol * p.grad.float().abs().max()), name
+    assert fused.weight1.main_grad.view(4, 16, -1)[1].abs().sum() > 0  # expert 1 has rows in the second batch
 
 
 def _grad_pieces(module):
