@@ -13,7 +13,9 @@ the chunks of a (batch, head, state tile) in order), chunk scan with the C.B blo
 the chunk-scan state gradient (`_dstates_bwd`), dx / dΔ / dB (`_dx_db_bwd`, one program per group, heads in a
 loop so dB is summed in registers), dC (`_dc_bwd`), and the reverse cumsum with the dt / A / dt_bias gradients
 (`_cumsum_bwd`). The gradient of the cumulative decay at each step is C.dC - B.dB of that head (plus, at the
-chunk end, the state gradient dotted with the state) so no kernel needs it in closed form.
+chunk end, the state gradient dotted with the state) so no kernel needs it in closed form. The chunk-state
+part of that sum is taken as exp(cs_end) dS.h_c plus a forward cumsum of each step's own state term, not
+as dS.h_c+1 minus a reverse cumsum: with a strong decay the two would nearly cancel in bf16.
 
 fp32 inputs use IEEE fp32 products; bf16/fp16 products run in the input dtype with fp32 accumulation, decays,
 cumsums and states. Defined only where Triton is installed, so importing this module never fails.
@@ -137,13 +139,14 @@ if _HAVE_TRITON:
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=om)
 
     @triton.jit
-    def _dstates_bwd(g_ptr, c_ptr, cs_ptr, st_ptr, fin_ptr, dfin_ptr, ds_ptr, dinit_ptr, dend_ptr, seqlen,
+    def _dstates_bwd(g_ptr, c_ptr, cs_ptr, st_ptr, dfin_ptr, ds_ptr, dinit_ptr, dend_ptr, seqlen,
                      nheads, nchunks, hpg, s_gb, s_gl, s_gh, s_gp, s_cb, s_cl, s_cg, s_cn, P: tl.constexpr,
                      N: tl.constexpr, HAS_DFIN: tl.constexpr, Q: tl.constexpr, BP: tl.constexpr,
                      BN: tl.constexpr, PREC: tl.constexpr):
         """Walk the chunks backwards for one (batch, head, state tile): dS_c = the gradient of the state
-        leaving chunk c; d(cs_end) partial = sum(dS_c * h_c+1); gradient of the state entering chunk c
-        = exp(cs) g^T C + exp(cs_end) dS_c; the last one is d initial_states."""
+        leaving chunk c; the decayed-entering-state part of d(cs_end), exp(cs_end) sum(dS_c * h_c) (the
+        chunk's own additions to h_c+1 are counted per position by `_cumsum_bwd`); gradient of the state
+        entering chunk c = exp(cs) g^T C + exp(cs_end) dS_c; the last one is d initial_states."""
         bh = tl.program_id(0)
         b, h = bh // nheads, bh % nheads
         g = h // hpg
@@ -157,34 +160,35 @@ if _HAVE_TRITON:
             run = tl.load(dfin_ptr + bh.to(tl.int64) * P * N + pn, mask=pn_mask, other=0.0).to(tl.float32)
         else:
             run = tl.zeros([BP, BN], dtype=tl.float32)
-        nxt = tl.load(fin_ptr + bh.to(tl.int64) * P * N + pn, mask=pn_mask, other=0.0)
         q = tl.arange(0, Q)
         for k in range(nchunks):
             c = nchunks - 1 - k
             sidx = ((b * nchunks + c) * nheads + h).to(tl.int64) * P * N + pn
             tl.store(ds_ptr + sidx, run.to(ds_ptr.dtype.element_ty), mask=pn_mask)
-            tl.store(dend_ptr + (bh.to(tl.int64) * nchunks + c) * ntiles + tile, tl.sum(tl.sum(run * nxt, 1), 0))
-            nxt = tl.load(st_ptr + sidx, mask=pn_mask, other=0.0).to(tl.float32)
+            row = (bh.to(tl.int64) * nchunks + c) * Q
+            cs_end = tl.load(cs_ptr + row + Q - 1)
+            entering = tl.load(st_ptr + sidx, mask=pn_mask, other=0.0).to(tl.float32)  # h_c
+            tl.store(dend_ptr + (bh.to(tl.int64) * nchunks + c) * ntiles + tile,
+                     tl.exp(cs_end) * tl.sum(tl.sum(run * entering, 1), 0))
             t = c * Q + q
             tm = t < seqlen
             gv = tl.load(g_ptr + b * s_gb + t[:, None].to(tl.int64) * s_gl + h * s_gh + p[None, :] * s_gp,
                          mask=tm[:, None] & (p[None, :] < P), other=0.0)
             cv = tl.load(c_ptr + b * s_cb + t[:, None].to(tl.int64) * s_cl + g * s_cg + n[None, :] * s_cn,
                          mask=tm[:, None] & (n[None, :] < N), other=0.0)
-            row = (bh.to(tl.int64) * nchunks + c) * Q
             cs = tl.load(cs_ptr + row + q)
-            cs_end = tl.load(cs_ptr + row + Q - 1)
             gw = (gv.to(tl.float32) * tl.exp(cs)[:, None]).to(cv.dtype)
             run = tl.dot(tl.trans(gw), cv, input_precision=PREC) + tl.exp(cs_end) * run
         tl.store(dinit_ptr + bh.to(tl.int64) * P * N + pn, run, mask=pn_mask)
 
     @triton.jit
-    def _dx_db_bwd(x_ptr, b_ptr, c_ptr, g_ptr, dt_ptr, cs_ptr, ds_ptr, d_ptr, dx_ptr, db_ptr, ddt_ptr, dd_ptr,
+    def _dx_db_bwd(x_ptr, b_ptr, c_ptr, g_ptr, dt_ptr, cs_ptr, ds_ptr, d_ptr, dx_ptr, db_ptr, ddt_ptr, ddts_ptr, dd_ptr,
                    seqlen, nheads, nchunks, hpg, s_xb, s_xl, s_xh, s_xp, s_bb, s_bl, s_bg, s_bn,
                    s_cb, s_cl, s_cg, s_cn, s_gb, s_gl, s_gh, s_gp, P: tl.constexpr, N: tl.constexpr,
                    HAS_D: tl.constexpr, Q: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                    BN: tl.constexpr, PREC: tl.constexpr):
-        """For BK rows j of one chunk and one group: per head dx_j, dΔ_j (direct part) and dD;
+        """For BK rows j of one chunk and one group: per head dx_j, dΔ_j (direct part; its chunk-state part
+        alone too) and dD;
         dB_j summed over the group's heads. Terms: the chunk state (through dS_c) and the rows i >= j."""
         k0 = tl.program_id(0) * BK
         bc, g = tl.program_id(1), tl.program_id(2)
@@ -208,6 +212,7 @@ if _HAVE_TRITON:
             t = tl.dot(bv, tl.trans(ds), input_precision=PREC)  # [BK, BP]
             dx = t * (wj * dt_j)[:, None]
             ddt = wj * tl.sum(xv.to(tl.float32) * t, 1)
+            tl.store(ddts_ptr + row + k0 + tl.arange(0, BK), ddt)
             dbh = tl.dot(xv, ds, input_precision=PREC) * (wj * dt_j)[:, None]  # [BK, BN]
             for i0 in range(k0, Q, BM):
                 i = c * Q + i0 + tl.arange(0, BM)
@@ -283,12 +288,15 @@ if _HAVE_TRITON:
         tl.store(dc_ptr + ((b * seqlen + io) * tl.num_programs(2) + g) * N + n[None, :], dc, mask=cm)
 
     @triton.jit
-    def _cumsum_bwd(dt_ptr, bias_ptr, a_ptr, dtv_ptr, cdc_ptr, ddtd_ptr, dend_ptr, ddt_ptr, da_ptr,
+    def _cumsum_bwd(dt_ptr, bias_ptr, a_ptr, dtv_ptr, cdc_ptr, ddtd_ptr, ddts_ptr, dend_ptr, ddt_ptr, da_ptr,
                     dbias_ptr, seqlen, nheads, s_db, s_dl, s_dh, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                     Q: tl.constexpr):
-        """One (batch, head, chunk): d cs = C.dC - B.dB (+ the chunk-end term), B.dB being Δ times the direct
-        dΔ; dΔA = its reverse cumsum;
-        dΔ = direct + dΔA A, through softplus to d dt; partial sums of dA and d dt_bias."""
+        """One (batch, head, chunk): dΔA_k = sum_{t >= k} d cs_t with d cs = C.dC - B.dB (+ at the chunk end
+        the gradient of h_c+1 dotted with it), B.dB being Δ times the direct dΔ. The chunk-state terms are
+        summed without cancelling: h_c+1 = exp(cs_end) h_c + sum_s (state added at s), so their part of
+        dΔA_k is exp(cs_end) dS.h_c + sum_{t < k} Δ_t (state part of dΔ_t), never a difference of two sums
+        of the size of dS.h_c+1. dΔ = direct + dΔA A, through softplus to d dt; partial sums of dA and
+        d dt_bias."""
         b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         nchunks = tl.num_programs(2)
         q = tl.arange(0, Q)
@@ -297,9 +305,10 @@ if _HAVE_TRITON:
         row = ((b * nheads + h).to(tl.int64) * nchunks + c) * Q
         dtv = tl.load(dtv_ptr + row + q)
         ddt = tl.load(ddtd_ptr + row + q)
-        dcs = tl.load(cdc_ptr + row + q) - dtv * ddt
-        dcs += tl.where(q == Q - 1, tl.load(dend_ptr + (b * nheads + h) * nchunks + c), 0.0)
-        dda = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs
+        added = dtv * tl.load(ddts_ptr + row + q)  # Δ_t times the chunk-state part of dΔ_t
+        dcs = tl.load(cdc_ptr + row + q) - dtv * ddt + added  # the in-chunk terms of d cs
+        dda = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # reverse inclusive cumsum
+        dda += tl.load(dend_ptr + (b * nheads + h) * nchunks + c) + tl.cumsum(added, 0) - added
         a = tl.load(a_ptr + h).to(tl.float32)
         ddt += dda * a
         pid = (b * nheads + h) * nchunks + c
@@ -404,7 +413,8 @@ def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, initial_sta
 
 
 def _backward_states(g, C, cs, states, final, dfinal, chunk_size):
-    """(dS [b, c, h, p, n] in g's dtype, d initial state [b, h, p, n] fp32, chunk-end d cs [b, h, c] fp32)."""
+    """(dS [b, c, h, p, n] in g's dtype, d initial state [b, h, p, n] fp32, the chunk-end d cs through the
+    decayed entering state, exp(cs_end) dS.h_c [b, h, c] fp32)."""
     b, seqlen, nheads, headdim, ngroups, dstate, nchunks, hpg, prec = _dims(g, C, chunk_size)
     ds = torch.empty_like(states)
     dinit = torch.empty_like(final)  # fp32
@@ -412,7 +422,7 @@ def _backward_states(g, C, cs, states, final, dfinal, chunk_size):
     grid = (b * nheads, triton.cdiv(headdim, bp), triton.cdiv(dstate, bn))
     dend = torch.empty(b, nheads, nchunks, grid[1] * grid[2], device=g.device, dtype=torch.float32)
     dfin = dfinal.contiguous() if dfinal is not None else final
-    _dstates_bwd[grid](g, C, cs, states, final, dfin, ds, dinit, dend, seqlen, nheads, nchunks, hpg,
+    _dstates_bwd[grid](g, C, cs, states, dfin, ds, dinit, dend, seqlen, nheads, nchunks, hpg,
                        *g.stride(), *C.stride(), P=headdim, N=dstate, HAS_DFIN=dfinal is not None, Q=chunk_size,
                        BP=bp, BN=bn, PREC=prec,
         **_launch("dstates"))
@@ -420,19 +430,21 @@ def _backward_states(g, C, cs, states, final, dfinal, chunk_size):
 
 
 def _backward_inputs(x, B, C, g, delta, cs, states, ds, D, chunk_size):
-    """(dx, dB fp32, dC fp32, direct dΔ and C.dC per head [b, h, L] fp32, dD partials or None)."""
+    """(dx, dB fp32, dC fp32, direct dΔ, its chunk-state part and C.dC per head [b, h, L] fp32, dD partials or
+    None)."""
     b, seqlen, nheads, headdim, ngroups, dstate, nchunks, hpg, prec = _dims(x, B, chunk_size)
     bm, bk = min(_BLOCK_M, chunk_size), min(_BLOCK_K, chunk_size)
     bp, bn = _pow2(headdim), _pow2(dstate)
     dx = torch.empty(b, seqlen, nheads, headdim, device=x.device, dtype=x.dtype)
     db = torch.empty(b, seqlen, ngroups, dstate, device=x.device, dtype=torch.float32)
     dc = torch.empty_like(db)
-    ddt_direct, cdc = torch.empty_like(cs), torch.empty_like(cs)
+    ddt_direct, ddt_state, cdc = torch.empty_like(cs), torch.empty_like(cs), torch.empty_like(cs)
     nkb = triton.cdiv(chunk_size, bk)
     dd = torch.empty(b * nchunks * nkb, nheads, headdim, device=x.device, dtype=torch.float32) \
         if D is not None else None
     _dx_db_bwd[(nkb, b * nchunks, ngroups)](
-        x, B, C, g, delta, cs, ds, D if D is not None else cs, dx, db, ddt_direct, dd if dd is not None else cs, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(), *C.stride(),
+        x, B, C, g, delta, cs, ds, D if D is not None else cs, dx, db, ddt_direct, ddt_state,
+        dd if dd is not None else cs, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(), *C.stride(),
         *g.stride(), P=headdim, N=dstate, HAS_D=D is not None, Q=chunk_size, BM=bm, BK=bk, BP=bp, BN=bn,
         PREC=prec,
         **_launch("dx_db"))
@@ -440,10 +452,10 @@ def _backward_inputs(x, B, C, g, delta, cs, states, ds, D, chunk_size):
         x, B, C, g, delta, cs, states, dc, cdc, seqlen, nheads, nchunks, hpg, *x.stride(), *B.stride(),
         *C.stride(), *g.stride(), P=headdim, N=dstate, Q=chunk_size, BM=bm, BK=bk, BP=bp, BN=bn, PREC=prec,
         **_launch("dc"))
-    return dx, db, dc, ddt_direct, cdc, dd
+    return dx, db, dc, ddt_direct, ddt_state, cdc, dd
 
 
-def _backward_dt(dt, A, dt_bias, dt_softplus, delta, cdc, ddt_direct, dend, chunk_size):
+def _backward_dt(dt, A, dt_bias, dt_softplus, delta, cdc, ddt_direct, ddt_state, dend, chunk_size):
     """(d dt [b, l, h] in dt's dtype, dA [h] fp32, d dt_bias [h] fp32 or None)."""
     b, seqlen, nheads = dt.shape
     nchunks = dend.shape[-1]
@@ -451,7 +463,7 @@ def _backward_dt(dt, A, dt_bias, dt_softplus, delta, cdc, ddt_direct, dend, chun
     da = torch.empty(b, nheads, nchunks, device=dt.device, dtype=torch.float32)
     dbias = torch.empty_like(da)
     bias = dt_bias if dt_bias is not None else A
-    _cumsum_bwd[(b, nheads, nchunks)](dt, bias, A, delta, cdc, ddt_direct, dend.contiguous(), ddt, da,
+    _cumsum_bwd[(b, nheads, nchunks)](dt, bias, A, delta, cdc, ddt_direct, ddt_state, dend.contiguous(), ddt, da,
                                       dbias, seqlen, nheads, *dt.stride(), HAS_BIAS=dt_bias is not None,
                                       SOFTPLUS=dt_softplus, Q=chunk_size)
     return ddt, da.sum((0, 2)), dbias.sum((0, 2)) if dt_bias is not None else None
@@ -490,8 +502,8 @@ class _SSDChunkScan(torch.autograd.Function):
         d_full = None
         if D is not None:
             d_full = (D[:, None].expand(-1, x.shape[-1]) if D.dim() == 1 else D).float().contiguous()  # [h, p]
-        dx, db, dc, ddt_direct, cdc, dd = _backward_inputs(x, B, C, g, delta, cs, states, ds, d_full, q)
-        ddt, da, dbias = _backward_dt(dt, A, dt_bias, ctx.dt_softplus, delta, cdc, ddt_direct, dend, q)
+        dx, db, dc, ddt_direct, ddt_state, cdc, dd = _backward_inputs(x, B, C, g, delta, cs, states, ds, d_full, q)
+        ddt, da, dbias = _backward_dt(dt, A, dt_bias, ctx.dt_softplus, delta, cdc, ddt_direct, ddt_state, dend, q)
         dD = None
         if D is not None:
             dD = dd.sum(0)  # [h, p]
