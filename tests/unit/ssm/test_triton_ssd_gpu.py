@@ -3,8 +3,8 @@ recurrence (`naive_ssd`, fp64) and, where the model branch's reference exists, `
 Shapes cover a sequence that is not a multiple of the chunk, one group and several, D per head and per head
 dim, z, dt_bias and initial states present and absent. fp32: relative error (max abs error over max abs value)
 <= 1e-4; bf16 (products in bf16, accumulation in fp32, as mamba-ssm): <= 3e-2 against the fp64 recurrence of
-the same bf16 inputs (the gradients pass through several bf16 roundings of 3.9e-3 each; dA and d dt_bias, sums
-over the whole sequence of terms of both signs, <= 1e-1). Skipped without CUDA and Triton."""
+the same bf16 inputs (the gradients pass through several bf16 roundings of 3.9e-3 each), dA and d dt_bias (sums
+over the whole sequence) included. Skipped without CUDA and Triton."""
 import pytest
 import torch
 
@@ -73,8 +73,7 @@ def test_ssd_bf16_within_bf16_noise(shape):
     got, want = _run(_triton(ops, chunk), ops, grads), _run(_naive, ops, grads)
     names = ["y", "final"] + [k for k in NAMES if ops[k] is not None]
     errors = {nm: _rel(a, w) for nm, a, w in zip(names, got, want)}
-    # dA and d dt_bias sum b * l terms of both signs: their bf16 rounding errors do not shrink with the sum
-    assert all(e <= (1e-1 if nm in ("A", "dt_bias") else 3e-2) for nm, e in errors.items()), errors
+    assert all(e <= 3e-2 for e in errors.values()), errors
 
 
 @pytest.mark.gpu

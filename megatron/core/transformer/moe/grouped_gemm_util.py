@@ -69,11 +69,13 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     grad = torch.randn(24, 16, generator=generator).to(device=device, dtype=dtype)
     results = []
     try:
-        for fn in (_torch_gmm, _loop_gmm):
-            a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
-            out = fn(a_, b_, sizes, False)
-            out.backward(grad)
-            results.append((out.float(), a_.grad.float(), b_.grad.float()))
+        # grad mode on: the first call may come from inside an autograd.Function's forward (no_grad)
+        with torch.enable_grad():
+            for fn in (_torch_gmm, _loop_gmm):
+                a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+                out = fn(a_, b_, sizes, False)
+                out.backward(grad)
+                results.append((out.float(), a_.grad.float(), b_.grad.float()))
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return False
     tolerance = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4

@@ -91,6 +91,12 @@ def test_grouped_gemm_weight_grad_into_main_grad_in_bf16():
     from megatron.core.transformer.moe import grouped_gemm_util as gg
 
     device = torch.device("cuda", torch.cuda.current_device())
+    gg._GROUPED_MM_SUPPORT.clear()  # the first probe from inside the fused function's forward (no grad mode)
+    probe_a = torch.zeros(16, 256, device=device, dtype=torch.bfloat16)
+    probe_w = torch.zeros(4 * 256, 512, device=device, dtype=torch.bfloat16, requires_grad=True)
+    probe_w.main_grad = torch.zeros(probe_w.shape, device=device)
+    gg.gmm_into_main_grad(probe_a, probe_w, (4, 256, 512), torch.tensor([8, 0, 8, 0]))
+    assert gg.torch_grouped_mm_supported(device, torch.bfloat16), "probed from the fused forward"
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(1000, 256, generator=gen).to(device, torch.bfloat16)
     w = torch.randn(4 * 256, 512, generator=gen).to(device, torch.bfloat16)
