@@ -120,9 +120,21 @@ def _step(fn, ops, dy, chunk):
     return run
 
 
+def _bf16_accurate():
+    """Whether the current launch table keeps every bf16 case of the GPU kernel test within its bound (the
+    2026-12-03 H200 jobs: dx_db / dc at 8 warps gave d dt 0.27 of its max at the l200-g3 shape, Triton 3.6)."""
+    import tests.unit.ssm.test_triton_ssd_gpu as kernel_test
+    for shape in kernel_test.SHAPES[:3]:
+        try:
+            kernel_test.test_ssd_bf16_within_bf16_noise(shape)
+        except AssertionError:
+            return False
+    return True
+
+
 def _sweep(ours, ops, dy, chunk, iters):
     """For each kernel in triton_ssd.LAUNCH, the fwd+bwd milliseconds of each (num_warps, num_stages); keeps
-    the fastest setting of each kernel before moving to the next."""
+    the fastest setting of each kernel that stays bf16-accurate (`_bf16_accurate`) before moving to the next."""
     from megatron.core.ssm.ops import triton_ssd
     found = {}
     for kernel in list(triton_ssd.LAUNCH):
@@ -130,6 +142,11 @@ def _sweep(ours, ops, dy, chunk, iters):
         for setting in [(w, st) for w in (4, 8) for st in (1, 2)]:
             triton_ssd.LAUNCH[kernel] = setting
             try:
+                if not _bf16_accurate():
+                    times[setting] = float("inf")
+                    print(f"{kernel} {setting}: bf16 gradients outside the test bound, not a candidate",
+                          file=sys.stderr)
+                    continue
                 times[setting] = _time(ours, iters, 2)
             except Exception as err:  # an out-of-resources launch: skip the setting
                 times[setting] = float("inf")
