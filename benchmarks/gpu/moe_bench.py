@@ -134,25 +134,8 @@ def _gemm_case(tokens, k_dim, n_dim, sizes, device, dtype, repeats):
     def dense():
         (a @ w).backward(grad)
 
-    from megatron.core.tensor_parallel.wgrad_accumulation import accumulate_into_main_grad
-
-    # gradient-accumulation fusion, as pretrain_gpt.py runs it: weight gradients into an fp32 main_grad
-    flat_b = b.detach().clone().view(len(sizes) * k_dim, n_dim).requires_grad_()
-    flat_b.main_grad = torch.zeros(flat_b.shape, device=device, dtype=torch.float32)
-    w_fused = w.detach().clone().requires_grad_()
-    w_fused.main_grad = torch.zeros(w.shape, device=device, dtype=torch.float32)
-
-    def grouped_fused():
-        gg.gmm_into_main_grad(a, flat_b, (len(sizes), k_dim, n_dim), host_sizes).backward(grad)
-
-    def dense_fused():
-        out = a @ w_fused.detach()
-        (grad_a,) = torch.autograd.grad(out, a, grad)
-        accumulate_into_main_grad(w_fused.main_grad, a.detach(), grad)  # main_grad [K, N] += a^T grad
-
     flops = 3 * 2 * tokens * k_dim * n_dim  # forward + 2 backward GEMMs
-    return (_time(grouped, device, repeats), _time(dense, device, repeats), flops,
-            _time(grouped_fused, device, repeats), _time(dense_fused, device, repeats))
+    return _time(grouped, device, repeats), _time(dense, device, repeats), flops
 
 
 def _skewed(total, experts):
@@ -174,13 +157,10 @@ def gemm_bench(shape, smoke, repeats):
     rows = []
     for routing, sizes in (("balanced", [tokens // experts] * experts), ("skewed", _skewed(tokens, experts))):
         for name, k_dim, n_dim in (("fc1", hidden, 2 * ffn), ("fc2", ffn, hidden)):
-            grouped_s, dense_s, flops, fused_s, dense_fused_s = _gemm_case(tokens, k_dim, n_dim, sizes, device,
-                                                                            dtype, repeats)
+            grouped_s, dense_s, flops = _gemm_case(tokens, k_dim, n_dim, sizes, device, dtype, repeats)
             rows.append({"gemm": name, "routing": routing, "rows_per_expert": sizes, "shape": [tokens, k_dim, n_dim],
                          "grouped_tflops": flops / grouped_s / 1e12, "dense_tflops": flops / dense_s / 1e12,
-                         "ratio": dense_s / grouped_s, "grouped_main_grad_tflops": flops / fused_s / 1e12,
-                         "dense_main_grad_tflops": flops / dense_fused_s / 1e12,
-                         "ratio_main_grad": dense_fused_s / fused_s})
+                         "ratio": dense_s / grouped_s})
     from megatron.core.transformer.moe import grouped_gemm_util as gg
 
     native = device.type == "cuda" and gg.torch_grouped_mm_supported(device, dtype)
@@ -208,9 +188,7 @@ def main(argv=None):
     result["gemm"] = {"rows": []} if args.skip_gemm else gemm_bench(shape, args.smoke, 3 if args.smoke else 20)
     for row in result["gemm"]["rows"]:
         print(f"gemm {row['gemm']} {row['routing']:8s} grouped {row['grouped_tflops']:7.1f} TFLOP/s  dense "
-              f"{row['dense_tflops']:7.1f} TFLOP/s  ratio {row['ratio']:.3f} | into main_grad: grouped "
-              f"{row['grouped_main_grad_tflops']:7.1f} dense {row['dense_main_grad_tflops']:7.1f} ratio "
-              f"{row['ratio_main_grad']:.3f}", flush=True)
+              f"{row['dense_tflops']:7.1f} TFLOP/s  ratio {row['ratio']:.3f}", flush=True)
     timeout = 600 if args.smoke else 1800
     common = _common(shape, iters, args.smoke)
     for name in args.runs:

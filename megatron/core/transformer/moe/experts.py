@@ -178,15 +178,6 @@ class GroupedMLP(MegatronModule):
             return output
         return fc2(self._activation_with_probs(fc1_output, probs))
 
-    def _gmm(self, x, weight, shape, tokens_per_expert):
-        """x [N, K] by the local experts' [L, K, M] views of `weight`; with gradient-accumulation fusion (and
-        DDP's `main_grad`, eager) the weight gradient goes straight into `main_grad`."""
-        # [H, L*F1] -> [L, H, F1]; [L*F2, H] -> [L, F2, H] (a reinterpretation of the memory, as Megatron's)
-        if (self.config.gradient_accumulation_fusion and getattr(weight, "main_grad", None) is not None
-                and not torch.compiler.is_compiling()):
-            return gg.gmm_into_main_grad(x, weight, shape, tokens_per_expert)
-        return gg.ops.gmm(x, weight.view(shape), tokens_per_expert)
-
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         """[N, H] rows grouped by local expert -> ([N, H], None)."""
@@ -195,10 +186,11 @@ class GroupedMLP(MegatronModule):
         hidden = self.config.hidden_size
         if hidden_states.nelement() != 0:
             # [H, L*F1] -> [L, H, F1]; [L*F2, H] -> [L, F2, H]
-            shape1 = (self.num_local_experts, hidden, self.weight1.shape[-1] // self.num_local_experts)
-            shape2 = (self.num_local_experts, self.weight2.shape[0] // self.num_local_experts, hidden)
-            output = self._mlp(hidden_states, probs, lambda x: self._gmm(x, self.weight1, shape1, tokens_per_expert),
-                               lambda x: self._gmm(x, self.weight2, shape2, tokens_per_expert))
+            # [H, L*F1] -> [L, H, F1]; [L*F2, H] -> [L, F2, H] (a reinterpretation of the memory, as Megatron's)
+            w1 = self.weight1.view(self.num_local_experts, hidden, -1)
+            w2 = self.weight2.view(self.num_local_experts, -1, hidden)
+            output = self._mlp(hidden_states, probs, lambda x: gg.ops.gmm(x, w1, tokens_per_expert),
+                               lambda x: gg.ops.gmm(x, w2, tokens_per_expert))
         else:
             # No rows for any local expert: a plain matmul on the empty input still gives every weight a
             # (zero) gradient, so DDP sees gradients of all parameters.

@@ -7,19 +7,12 @@ backward) where that kernel works for the dtype and shapes: it is probed once pe
 the loop below on small tensors (zero-row group included). Elsewhere, including CPU, it is a loop of matmuls
 over the groups, which gives every group's matrix a gradient (zero for an empty group). A CUDA fallback is
 logged once per (device, dtype).
-
-`gmm_into_main_grad(a, weight, shape, batch_sizes)` is the same product for a parameter viewed as
-`weight.view(shape)` ([G, K, M]) whose weight gradient goes straight into `weight.main_grad`
-(gradient-accumulation fusion, as the dense linears do): one GEMM per non-empty group accumulating into the
-fp32 `main_grad` slice, instead of a half-precision [G, K, M] gradient, its cast and an add.
 """
 import logging
 from types import SimpleNamespace
 from typing import Dict, Tuple
 
 import torch
-
-from megatron.core.tensor_parallel.wgrad_accumulation import _main_grad_placeholder, accumulate_into_main_grad
 
 logger = logging.getLogger(__name__)
 
@@ -111,44 +104,7 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) ->
     return _loop_gmm(a, b, batch_sizes, trans_b)
 
 
-def _host_sizes(batch_sizes):
-    return batch_sizes.tolist() if torch.is_tensor(batch_sizes) else [int(n) for n in batch_sizes]
-
-
-class _GroupedLinearMainGrad(torch.autograd.Function):
-    """[N, K] x weight.view([G, K, M]) grouped by host row counts; backward: the input gradient as a grouped
-    product with the transposed weights, the weight gradient added into `weight.main_grad` group by group."""
-
-    @staticmethod
-    def forward(ctx, a, weight, shape, sizes):
-        ctx.save_for_backward(a, weight)
-        ctx.shape, ctx.sizes = shape, sizes
-        return gmm(a, weight.view(shape), sizes)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        a, weight = ctx.saved_tensors
-        grad_a = None
-        if ctx.needs_input_grad[0]:
-            grad_a = gmm(grad_output, weight.view(ctx.shape), ctx.sizes, trans_b=True)
-        main_grad = weight.main_grad.view(ctx.shape)  # [G, K, M]
-        start = 0
-        for group, rows in enumerate(ctx.sizes):
-            if rows:
-                # main_grad[g] [K, M] += a_g^T [K, n_g] @ grad_g [n_g, M]
-                accumulate_into_main_grad(main_grad[group], a[start:start + rows], grad_output[start:start + rows])
-            start += rows
-        return grad_a, _main_grad_placeholder(weight), None, None
-
-
-def gmm_into_main_grad(a: torch.Tensor, weight: torch.Tensor, shape, batch_sizes) -> torch.Tensor:
-    """`gmm(a, weight.view(shape), batch_sizes)` with the weight gradient accumulated into `weight.main_grad`
-    (which must exist); eager only (see the module docstring)."""
-    return _GroupedLinearMainGrad.apply(a, weight, tuple(shape), _host_sizes(batch_sizes))
-
-
 ops = SimpleNamespace(gmm=gmm)
 """Megatron's `grouped_gemm_util.ops` namespace: `ops.gmm(a, b, batch_sizes, trans_b=False)`."""
 
-__all__ = ["grouped_gemm_is_available", "assert_grouped_gemm_is_available", "torch_grouped_mm_supported", "gmm",
-           "gmm_into_main_grad", "ops"]
+__all__ = ["grouped_gemm_is_available", "assert_grouped_gemm_is_available", "torch_grouped_mm_supported", "gmm", "ops"]
