@@ -78,20 +78,15 @@ def _accumulate_weight_grad(weight, grad_output_2d, input_2d):
     the installed torch has it (`addmm_fp32_out_supported`), else a half-precision matmul, a cast and
     an add (three passes over the gradient).
     """
-    accumulate_into_main_grad(weight.main_grad, grad_output_2d, input_2d)
-    return _main_grad_placeholder(weight)
-
-
-def accumulate_into_main_grad(main_grad, grad_output_2d, input_2d):
-    """main_grad [out, in] += grad_output^T [out, s*b] @ input [s*b, in] (main_grad contiguous): one in-place
-    addmm for the same dtype, one fp32-output GEMM for half precision into fp32 where supported, else a
-    matmul, a cast and an add. Also used per expert by the grouped GEMM's fused weight gradient."""
+    main_grad = weight.main_grad
+    # main_grad [out, in] += grad_output^T [out, s*b] @ input [s*b, in]
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
     elif main_grad.dtype == torch.float32 and addmm_fp32_out_supported(main_grad.device, grad_output_2d.dtype):
         _addmm_fp32_out(main_grad, grad_output_2d, input_2d)
     else:
         main_grad.add_(torch.matmul(grad_output_2d.t(), input_2d).to(main_grad.dtype))
+    return _main_grad_placeholder(weight)
 
 
 def _main_grad_placeholder(weight):

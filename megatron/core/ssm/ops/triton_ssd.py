@@ -184,8 +184,8 @@ if _HAVE_TRITON:
         tl.store(dinit_ptr + bh.to(tl.int64) * P * N + pn, run, mask=pn_mask)
 
     @triton.jit
-    def _dx_db_bwd(x_ptr, b_ptr, c_ptr, g_ptr, dt_ptr, cs_ptr, ds_ptr, d_ptr, dx_ptr, db_ptr, ddt_ptr, ddts_ptr, dd_ptr,
-                   seqlen, nheads, nchunks, hpg, s_xb, s_xl, s_xh, s_xp, s_bb, s_bl, s_bg, s_bn,
+    def _dx_db_bwd(x_ptr, b_ptr, c_ptr, g_ptr, dt_ptr, cs_ptr, ds_ptr, d_ptr, dx_ptr, db_ptr, ddt_ptr, ddts_ptr,
+                   dd_ptr, seqlen, nheads, nchunks, hpg, s_xb, s_xl, s_xh, s_xp, s_bb, s_bl, s_bg, s_bn,
                    s_cb, s_cl, s_cg, s_cn, s_gb, s_gl, s_gh, s_gp, P: tl.constexpr, N: tl.constexpr,
                    HAS_D: tl.constexpr, Q: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
                    BN: tl.constexpr, PREC: tl.constexpr):
@@ -465,8 +465,8 @@ def _backward_dt(dt, A, dt_bias, dt_softplus, delta, cdc, ddt_direct, ddt_state,
     da = torch.empty(b, nheads, nchunks, device=dt.device, dtype=torch.float32)
     dbias = torch.empty_like(da)
     bias = dt_bias if dt_bias is not None else A
-    _cumsum_bwd[(b, nheads, nchunks)](dt, bias, A, delta, cdc, ddt_direct, ddt_state, dend.contiguous(), ddt, da,
-                                      dbias, seqlen, nheads, *dt.stride(), HAS_BIAS=dt_bias is not None,
+    _cumsum_bwd[(b, nheads, nchunks)](dt, bias, A, delta, cdc, ddt_direct, ddt_state, dend.contiguous(), ddt,
+                                      da, dbias, seqlen, nheads, *dt.stride(), HAS_BIAS=dt_bias is not None,
                                       SOFTPLUS=dt_softplus, Q=chunk_size)
     return ddt, da.sum((0, 2)), dbias.sum((0, 2)) if dt_bias is not None else None
 
@@ -504,8 +504,10 @@ class _SSDChunkScan(torch.autograd.Function):
         d_full = None
         if D is not None:
             d_full = (D[:, None].expand(-1, x.shape[-1]) if D.dim() == 1 else D).float().contiguous()  # [h, p]
-        dx, db, dc, ddt_direct, ddt_state, cdc, dd = _backward_inputs(x, B, C, g, delta, cs, states, ds, d_full, q)
-        ddt, da, dbias = _backward_dt(dt, A, dt_bias, ctx.dt_softplus, delta, cdc, ddt_direct, ddt_state, dend, q)
+        dx, db, dc, ddt_direct, ddt_state, cdc, dd = _backward_inputs(x, B, C, g, delta, cs, states, ds, d_full,
+                                                                      q)
+        ddt, da, dbias = _backward_dt(dt, A, dt_bias, ctx.dt_softplus, delta, cdc, ddt_direct, ddt_state, dend,
+                                      q)
         dD = None
         if D is not None:
             dD = dd.sum(0)  # [h, p]

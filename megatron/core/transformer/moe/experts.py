@@ -186,7 +186,6 @@ class GroupedMLP(MegatronModule):
         hidden = self.config.hidden_size
         if hidden_states.nelement() != 0:
             # [H, L*F1] -> [L, H, F1]; [L*F2, H] -> [L, F2, H]
-            # [H, L*F1] -> [L, H, F1]; [L*F2, H] -> [L, F2, H] (a reinterpretation of the memory, as Megatron's)
             w1 = self.weight1.view(self.num_local_experts, hidden, -1)
             w2 = self.weight2.view(self.num_local_experts, -1, hidden)
             output = self._mlp(hidden_states, probs, lambda x: gg.ops.gmm(x, w1, tokens_per_expert),
