@@ -176,13 +176,15 @@ def main(argv=None):
                         help="pretrain_gpt.py runs (none: only the GEMM comparison)")
     parser.add_argument("--skip-gemm", action="store_true", help="no GEMM comparison")
     parser.add_argument("--out", default="moe_bench.json", help="JSON output file")
+    parser.add_argument("--extra-flags", default="",
+                        help="more pretrain_gpt.py flags for every run, e.g. --extra-flags='--manual-gc'")
     parser.add_argument("--profile", action="store_true",
                         help="also write kernel tables of each run (profile_<run>.txt beside --out)")
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
     iters = args.iters or (3 if args.smoke else 12)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 4)
-    result = {"shape": shape, "iters": iters, "warmup": warmup, "smoke": args.smoke,
+    result = {"shape": shape, "iters": iters, "warmup": warmup, "smoke": args.smoke, "extra_flags": args.extra_flags,
               "flops_formula": "Megatron 0.13.1 num_floating_point_operations (active experts: moe_ffn * topk; "
                                "shared experts; no router term)"}
     result["gemm"] = {"rows": []} if args.skip_gemm else gemm_bench(shape, args.smoke, 3 if args.smoke else 20)
@@ -192,7 +194,7 @@ def main(argv=None):
     timeout = 600 if args.smoke else 1800
     common = _common(shape, iters, args.smoke)
     for name in args.runs:
-        flags = common + (_moe_flags(shape) if name == "moe" else _dense_flags(shape))
+        flags = common + (_moe_flags(shape) if name == "moe" else _dense_flags(shape)) + args.extra_flags.split()
         profile_out = (os.path.join(os.path.dirname(os.path.abspath(args.out)), f"profile_{name}.txt")
                        if args.profile else None)
         result[name] = _run_pretrain(name, flags, warmup, args.smoke, timeout, profile_out)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.fusions.fused_grad_accumulation import accumulate_grad_
 from megatron.core.distributed.param_and_grad_buffer import (
     _ParamAndGradBucketGroup,
     _ParamAndGradBuffer,
@@ -224,7 +225,7 @@ class DistributedDataParallel(_BaseDataParallel):
             if param.grad is not None and (
                 not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)
             ):
-                param.main_grad.add_(param.grad.data)
+                accumulate_grad_(param.main_grad, param.grad.data)
             param.grad = None
             if self.ddp_config.overlap_grad_reduce:
                 self.param_to_bucket_group[param].register_grad_ready(param)

@@ -220,6 +220,42 @@ def _compile_linears(config, layers_compiled: bool, problems: List[str]) -> Deci
     return Decision(False, "auto: off (traced linears were slower with CUDA graphs and trained differently)")
 
 
+def moe_cuda_graph_problems(settings, expert_tensor_parallel_size: Optional[int]) -> List[str]:
+    """MoE settings a graphed layer cannot follow (empty when the MoE layers can be captured). `settings` has
+    the MoE fields under their config / argument names (a TransformerConfig or the parsed arguments).
+
+    A captured MoE layer must not read anything on the host and must have fixed shapes: that holds for the
+    dropless alltoall dispatcher without expert parallelism or expert TP, whose row counts per expert stay on
+    the device (the grouped GEMM takes device offsets), and for routing without random numbers or host loops."""
+    problems = []
+    ep = getattr(settings, "expert_model_parallel_size", 1) or 1
+    if ep > 1:
+        problems.append(f"expert parallelism (--expert-model-parallel-size {ep}: the all-to-all needs its split "
+                        "sizes on the host)")
+    if (expert_tensor_parallel_size or 1) > 1:
+        problems.append(f"expert tensor parallelism (--expert-tensor-parallel-size {expert_tensor_parallel_size}, "
+                        "which defaults to --tensor-model-parallel-size: its gathers need split sizes on the host)")
+    dispatcher = getattr(settings, "moe_token_dispatcher_type", "allgather")
+    if dispatcher != "alltoall":
+        problems.append(f"--moe-token-dispatcher-type {dispatcher} (only alltoall keeps its row counts on the "
+                        "device)")
+    if getattr(settings, "moe_expert_capacity_factor", None) is not None:
+        problems.append(f"--moe-expert-capacity-factor {settings.moe_expert_capacity_factor} (with token dropping "
+                        "the row count depends on the routing)")
+    if getattr(settings, "moe_router_padding_for_fp8", False):
+        problems.append("--moe-router-padding-for-fp8 (the padded row count depends on the routing)")
+    if getattr(settings, "moe_router_load_balancing_type", None) == "sinkhorn":
+        problems.append("--moe-router-load-balancing-type sinkhorn (it iterates until a host-side test passes)")
+    if getattr(settings, "moe_input_jitter_eps", None):
+        problems.append(f"--moe-input-jitter-eps {settings.moe_input_jitter_eps} (the graphs would replay the "
+                        "same noise)")
+    if getattr(settings, "moe_router_force_load_balancing", False):
+        problems.append("--moe-router-force-load-balancing (the graphs would replay the same random logits)")
+    if getattr(settings, "moe_shared_expert_overlap", False):
+        problems.append("--moe-shared-expert-overlap (its side stream is not captured)")
+    return problems
+
+
 def cuda_graph_problems(config) -> List[str]:
     """Settings that per-layer CUDA graphs do not support (empty when the config can be graphed)."""
     problems = []
@@ -232,7 +268,7 @@ def cuda_graph_problems(config) -> List[str]:
     if getattr(config, "recompute_granularity", None) is not None:
         problems.append(f"activation recompute (--recompute-granularity {config.recompute_granularity})")
     if getattr(config, "num_moe_experts", None):
-        problems.append("mixture-of-experts layers (--num-experts)")
+        problems.extend(moe_cuda_graph_problems(config, config.expert_tensor_parallel_size))
     if getattr(config, "cuda_graph_scope", "full") != "full":
         problems.append(f"--cuda-graph-scope {config.cuda_graph_scope} (the graphs cover whole layers: full)")
     if getattr(config, "cuda_graph_warmup_steps", 1) < 1:
@@ -372,4 +408,5 @@ def settings_applied_by_plan(config) -> List[str]:
 
 
 __all__ = ["DeviceFacts", "Decision", "OptimizationPlan", "PlanError", "resolve_plan", "format_plan",
-           "cuda_graph_problems", "settings_applied_by_plan", "MIN_HIDDEN_SIZE_TO_COMPILE"]
+           "cuda_graph_problems", "moe_cuda_graph_problems", "settings_applied_by_plan",
+           "MIN_HIDDEN_SIZE_TO_COMPILE"]

@@ -9,6 +9,8 @@ re-exports these names.
 """
 import torch
 
+from megatron.core.fusions.fused_grad_accumulation import accumulate_grad_
+
 # (device, input dtype) -> whether `torch.addmm(..., out_dtype=torch.float32, out=main_grad)` works and
 # matches the reference there; filled by `_probe_addmm_fp32_out` on first use.
 _ADDMM_FP32_OUT_SUPPORT = {}
@@ -105,7 +107,7 @@ def add_weight_grad_to_main_grad(weight, grad_weight):
     `weight.main_grad` and return the placeholder; without `main_grad`, return the gradient itself."""
     if getattr(weight, "main_grad", None) is None:
         return grad_weight.to(weight.dtype)
-    weight.main_grad.add_(grad_weight)
+    accumulate_grad_(weight.main_grad, grad_weight)
     return _main_grad_placeholder(weight)
 
 

@@ -14,14 +14,22 @@ makes the shared pool safe.
 Gradients. Weight gradients that the tensor-parallel linears add straight into `main_grad` are part of
 the backward graph; the graphed backward hands autograd a fresh, unfilled placeholder for those weights
 and sets `grad_added_to_main_grad`, exactly what the eager linear does, so DDP's per-parameter hooks fire
-in the same order and skip the add. Other parameter gradients (biases, norm weights) are returned from the
-graph's static buffers.
+in the same order and skip the add. Other parameter gradients (biases, norm weights, MoE expert and router
+weights) are added from the graph's static buffers into `main_grad` right after the replay, the same way
+(under DDP; without it they are returned to autograd as copies).
+
+MoE layers (dropless alltoall without EP or expert TP: `optimization_plan.resolve.moe_cuda_graph_problems`)
+are captured whole: their row counts stay on the device. The auxiliary losses are recorded into the
+tracker and scaled in backward by `MoEAuxLossAutoScaler`'s scale tensor, both updated in place, so the
+replays follow them; the warm-up pass before a capture undoes its additions to the tracker and to the
+layer's buffers (an expert-bias router's token counts).
 
 Scope (checked when the optimisation plan is resolved, and by the argument validation): training forwards
 with gradients of layers on CUDA, one micro-batch in flight (no pipeline parallelism), no dropout (the
 graphs do not advance the tensor-parallel RNG tracker's generators), no activation recompute, no
-parameter-gather pre-hooks. Calls outside this scope (evaluation, no-grad, another input shape) run the
-layer eagerly. Off the GPU the plan leaves the layers ungraphed and says so in its table.
+parameter-gather pre-hooks, and for MoE layers the settings above. Calls outside this scope (evaluation,
+no-grad, another input shape) run the layer eagerly. Off the GPU the plan leaves the layers ungraphed and
+says so in its table.
 """
 import contextlib
 import logging
@@ -29,7 +37,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.fp8.recipe import fp8_scaling_state_kept
+from megatron.core.fusions.fused_grad_accumulation import accumulate_grad_
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +115,30 @@ def main_grad_flags_restored(params, reset: bool = False):
     finally:
         for param, flag in zip(flagged, before):
             param.grad_added_to_main_grad = flag
+
+
+@contextlib.contextmanager
+def forward_side_effects_undone(layer: torch.nn.Module):
+    """Undo what a layer's forward adds outside its outputs: its buffers (an MoE router's token counts) and
+    the MoE auxiliary-loss tracker (the logged losses) are as before the block; tracker entries first made
+    in the block are zeroed."""
+    tracker = parallel_state.get_moe_layer_wise_logging_tracker()
+    existing = set(tracker)
+    saved = [(buffer, buffer.detach().clone()) for buffer in layer.buffers()]
+    saved += [(entry["values"], entry["values"].detach().clone()) for entry in tracker.values()]
+    try:
+        yield
+    finally:
+        for tensor, copy in saved:
+            tensor.data.copy_(copy)
+        for name in set(tracker) - existing:
+            tracker[name]["values"].zero_()
+
+
+def _adds_to_main_grad(param: torch.nn.Parameter) -> bool:
+    """Whether a returned weight gradient can go straight into DDP's `main_grad` (DDP then skips its add)."""
+    return getattr(param, "main_grad", None) is not None and hasattr(param, "grad_added_to_main_grad") \
+        and not getattr(param, "zero_out_wgrad", False)
 
 
 def _detached(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -230,7 +264,8 @@ class GraphedLayer:
             output = run()
             torch.autograd.grad(output, self._grad_inputs(), grad_outputs=torch.zeros_like(output), allow_unused=True)
 
-        with main_grad_flags_restored(self.params), fp8_scaling_state_kept(self.layer):
+        with main_grad_flags_restored(self.params), fp8_scaling_state_kept(self.layer), \
+                forward_side_effects_undone(self.layer):
             self.graph_pool.run(forward_backward)
 
     def _capture_backward(self, grad_output: torch.Tensor) -> None:
@@ -270,8 +305,13 @@ class GraphedLayer:
         input_grads = [_detached(next(input_grads_iter)) if t.requires_grad else None for t in self.static_inputs]
         param_grads = []
         for param, grad, fused in zip(self.params, self.static_grads[num_input_grads:], self.fused_params):
+            if not fused and grad is not None and _adds_to_main_grad(param):
+                # Added here from the static buffer: autograd would otherwise copy it first (it is still
+                # referenced), and DDP's hook would then add the copy.
+                accumulate_grad_(param.main_grad, grad)
+                fused = True
             if fused:
-                # The graph already added this weight's gradient into main_grad; DDP's hook skips the add.
+                # The gradient is in main_grad (by the graph or just above); DDP's hook skips the add.
                 param.grad_added_to_main_grad = True
                 make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
                 param_grads.append(make(param.shape, dtype=param.dtype, device=param.device))

@@ -18,6 +18,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from megatron.core.optimization_plan.resolve import moe_cuda_graph_problems
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.utils import module_available
 from megatron.training.arguments.context_parallel import context_parallel_problems
@@ -620,7 +621,6 @@ def _validate_cuda_graph(args) -> List[str]:
         (args.recompute_granularity is not None or getattr(args, "recompute_activations", False),
          "activation recompute (--recompute-granularity / --recompute-activations) cannot be graphed yet: drop "
          "one of the two."),
-        (bool(args.num_experts), f"--num-experts ({args.num_experts}): MoE layers cannot be graphed."),
         (args.reset_attention_mask, "--reset-attention-mask: document boundaries change every micro-batch, "
          "which graphs cannot follow; drop one of the two."),
         (args.overlap_param_gather,
@@ -629,7 +629,13 @@ def _validate_cuda_graph(args) -> List[str]:
         (args.cuda_graph_warmup_steps < 1,
          f"--cuda-graph-warmup-steps ({args.cuda_graph_warmup_steps}) must be at least 1."),
     ]
-    return [f"--enable-cuda-graph: {message}" for broken, message in rules if broken]
+    problems = [f"--enable-cuda-graph: {message}" for broken, message in rules if broken]
+    if args.num_experts:
+        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        problems += [f"--enable-cuda-graph with --num-experts {args.num_experts}: the MoE layers cannot be graphed "
+                     f"with {problem}; drop --enable-cuda-graph or that setting."
+                     for problem in moe_cuda_graph_problems(args, etp)]
+    return problems
 
 
 VALIDATORS = (

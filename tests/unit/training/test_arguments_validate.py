@@ -195,6 +195,15 @@ def test_cuda_graph_rules_name_each_conflicting_flag():
     validate_args(_args("--enable-cuda-graph --hidden-dropout 0 --attention-dropout 0"))
 
 
+def test_cuda_graph_with_moe_names_the_moe_flag_it_cannot_follow():
+    moe = ("--enable-cuda-graph --hidden-dropout 0 --attention-dropout 0 --num-experts 4 --moe-router-topk 2 "
+           "--disable-bias-linear ")
+    problems = _problems(moe + "--moe-token-dispatcher-type allgather")
+    assert len(problems) == 1 and "--num-experts 4" in problems[0] and \
+        "--moe-token-dispatcher-type allgather" in problems[0], problems
+    validate_args(_args(moe + "--moe-token-dispatcher-type alltoall"))
+
+
 def test_tp_comm_overlap_needs_sequence_parallel():
     assert any("--tp-comm-overlap overlaps" in p and "--sequence-parallel" in p
                for p in _problems("--tp-comm-overlap --tensor-model-parallel-size 2", world_size=2))

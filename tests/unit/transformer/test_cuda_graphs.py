@@ -61,3 +61,45 @@ def test_main_grad_flags_are_restored_after_warm_up_and_capture():
     with main_grad_flags_restored([fused]):
         fused.grad_added_to_main_grad = True
     assert fused.grad_added_to_main_grad is False
+
+
+def _moe(**kwargs):
+    base = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+    base.update(kwargs)
+    return _config(**base)
+
+
+def test_moe_layers_are_graphable_only_dropless_alltoall_without_ep_or_expert_tp():
+    assert cuda_graph_problems(_moe()) == []
+    cases = {
+        "expert parallelism (--expert-model-parallel-size 2": _moe(expert_model_parallel_size=2),
+        "expert tensor parallelism (--expert-tensor-parallel-size 2": _moe(expert_tensor_parallel_size=2),
+        "--moe-token-dispatcher-type allgather": _moe(moe_token_dispatcher_type="allgather"),
+        "--moe-expert-capacity-factor 1.0": _moe(moe_expert_capacity_factor=1.0),
+        "--moe-router-load-balancing-type sinkhorn": _moe(moe_router_load_balancing_type="sinkhorn",
+                                                          moe_aux_loss_coeff=0.0),
+        "--moe-input-jitter-eps 0.01": _moe(moe_input_jitter_eps=0.01),
+        "--moe-router-force-load-balancing": _moe(moe_router_force_load_balancing=True),
+    }
+    for expected, config in cases.items():
+        problems = cuda_graph_problems(config)
+        assert len(problems) == 1 and problems[0].startswith(expected), (expected, problems)
+
+
+def test_warm_up_side_effects_on_buffers_and_the_aux_loss_tracker_are_undone():
+    from megatron.core import parallel_state
+    from megatron.core.transformer.cuda_graphs import forward_side_effects_undone
+
+    tracker = parallel_state.get_moe_layer_wise_logging_tracker()
+    tracker.clear()
+    tracker["load_balancing_loss"] = {"values": torch.tensor([1.0, 2.0])}
+    module = torch.nn.Module()
+    module.register_buffer("counts", torch.tensor([3.0, 4.0]))
+    with forward_side_effects_undone(module):
+        module.counts += 1
+        tracker["load_balancing_loss"]["values"][1] += 5.0
+        tracker["z_loss"] = {"values": torch.tensor([7.0])}  # first recorded inside the block
+    assert torch.equal(module.counts, torch.tensor([3.0, 4.0]))
+    assert torch.equal(tracker["load_balancing_loss"]["values"], torch.tensor([1.0, 2.0]))
+    assert torch.equal(tracker["z_loss"]["values"], torch.tensor([0.0]))
+    tracker.clear()

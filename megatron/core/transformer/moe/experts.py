@@ -1,7 +1,7 @@
 """The local experts of an MoE layer: `GroupedMLP`, `SequentialMLP` and the `TEGroupedMLP` name.
 
-Every expert class takes (rows of the local experts grouped by expert [N, H], rows per local expert on the
-host [L], their probabilities [N]) and returns (output [N, H], None). Probabilities are applied inside the
+Every expert class takes (rows of the local experts grouped by expert [N, H], rows per local expert [L] (a
+host tensor, or a device tensor when the dispatcher needed no host value), their probabilities [N]) and returns (output [N, H], None). Probabilities are applied inside the
 expert: `fc2(act(fc1(x)) * p)`, the product computed in p's dtype and cast back (or `x * p` first with
 `--moe-apply-probs-on-input`, top-1 only). Weights are split over the expert-TP group (fc1 column-parallel,
 fc2 row-parallel) without TP communication: the dispatcher's gathers and reduce-scatters replace it.

@@ -2,11 +2,11 @@
 their own matrix of `b` (Megatron's `grouped_gemm_util` names; no `grouped_gemm` package is needed).
 
 `a` [N, K], `b` [G, K, M] (or [G, M, K] with trans_b), batch_sizes [G] rows per group (host tensor or list,
-as the dispatchers return it) -> [N, M]. On CUDA the product is one `torch._grouped_mm` call (forward and
-backward) where that kernel works for the dtype and shapes: it is probed once per (device, dtype) against
-the loop below on small tensors (zero-row group included). Elsewhere, including CPU, it is a loop of matmuls
-over the groups, which gives every group's matrix a gradient (zero for an empty group). A CUDA fallback is
-logged once per (device, dtype).
+or a device tensor, as the dispatchers return it) -> [N, M]. On CUDA the product is one `torch._grouped_mm`
+call (forward and backward) where that kernel works for the dtype and shapes: it is probed once per
+(device, dtype) against the loop below on small tensors (zero-row group included). Elsewhere, including CPU,
+it is a loop of matmuls over the groups (device sizes are read to the host there), which gives every
+group's matrix a gradient (zero for an empty group). A CUDA fallback is logged once per (device, dtype).
 """
 import logging
 from types import SimpleNamespace
@@ -42,6 +42,9 @@ def _loop_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool) -> t
 
 
 def _offsets(batch_sizes, device) -> torch.Tensor:
+    if torch.is_tensor(batch_sizes) and batch_sizes.device.type == "cuda":
+        # device counts: cumulative end offsets computed there (no host wait)
+        return torch.cumsum(batch_sizes, 0, dtype=torch.int32)
     sizes = batch_sizes if torch.is_tensor(batch_sizes) else torch.tensor(list(batch_sizes))
     # rows per group -> cumulative end offsets, int32 on the device (from pinned memory: no host wait)
     offsets = torch.cumsum(sizes.to(device="cpu", dtype=torch.int64), 0).to(torch.int32)

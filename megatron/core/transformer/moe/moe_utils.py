@@ -149,7 +149,8 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         """Set the backward scale of every attached auxiliary loss (the main loss's scale)."""
         current = MoEAuxLossAutoScaler.main_loss_backward_scale
         if current is None or current.shape != scale.shape or current.device != scale.device:
-            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+            # a tensor of its own, updated in place from now on (a CUDA-graphed backward reads its memory)
+            MoEAuxLossAutoScaler.main_loss_backward_scale = scale.detach().clone()
         else:
             current.copy_(scale)
 

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron.core.fusions._compile import CudaCompiled
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import (
     ModelCommProcessGroups,
@@ -33,6 +34,24 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def _softmax_topk_with_switch_loss(logits: torch.Tensor, topk: int, use_pre_softmax: bool,
+                                   scaling_factor: Optional[float], moe_aux_loss_coeff: float):
+    """Softmax top-k routing of logits [T, E] (no capacity, groups or bias) and the Switch loss of the same
+    logits, the exact operations of `topk_softmax_with_capacity` + `compute_routing_scores_for_aux_loss` +
+    `switch_load_balancing_loss_func`; returns (probs [T, E], routing_map [T, E] bool, aux_loss [])."""
+    probs, routing_map, _ = topk_softmax_with_capacity(logits, topk, use_pre_softmax=use_pre_softmax,
+                                                       scaling_factor=scaling_factor)
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    _, top_indices = torch.topk(scores, k=topk, dim=1)
+    loss_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+    aux_loss = switch_load_balancing_loss_func(scores, loss_map.sum(dim=0), topk, moe_aux_loss_coeff)
+    return probs, routing_map, aux_loss
+
+
+# one compiled region each way on CUDA (the MoE layer itself runs eagerly: ~25 small kernels become a few)
+_softmax_topk_with_switch_loss_fused = CudaCompiled(_softmax_topk_with_switch_loss)
 
 
 def _model_device(config) -> torch.device:
@@ -164,8 +183,25 @@ class TopKRouter(Router):
             expert_bias=self.expert_bias,
         )
 
+    def _fused_aux_loss_routing(self, logits: torch.Tensor):
+        """(probs with the Switch loss attached, routing_map) from one fused function in the plain case
+        (softmax scores, no capacity, groups, expert bias or sequence split; a non-zero coefficient), else None."""
+        config = self.config
+        if (self.score_function != "softmax" or config.moe_expert_capacity_factor is not None
+                or config.moe_router_group_topk or self.expert_bias is not None or config.moe_aux_loss_coeff == 0
+                or self._sequence_partition_group() is not None):
+            return None
+        probs, routing_map, aux_loss = _softmax_topk_with_switch_loss_fused(
+            logits, self.topk, config.moe_router_pre_softmax, config.moe_router_topk_scaling_factor,
+            config.moe_aux_loss_coeff)
+        return self._attach_load_balancing_loss(probs, aux_loss, None), routing_map
+
     def aux_loss_load_balancing(self, logits: torch.Tensor):
         """Top-k routing with the GShard/Switch auxiliary loss attached to the probabilities."""
+        if self.training and torch.is_grad_enabled():
+            fused = self._fused_aux_loss_routing(logits)
+            if fused is not None:
+                return fused
         probs, routing_map, _ = self._topk(logits)
         if self.training and torch.is_grad_enabled():
             scores, loss_routing_map = self.compute_routing_scores_for_aux_loss(logits)
@@ -198,6 +234,12 @@ class TopKRouter(Router):
         sequence_partition_group = self._sequence_partition_group()
         aux_loss = load_balancing_loss_func(moe_aux_loss_coeff=moe_aux_loss_coeff,
                                             sequence_partition_group=sequence_partition_group)
+        return self._attach_load_balancing_loss(activation, aux_loss, sequence_partition_group)
+
+    def _attach_load_balancing_loss(self, activation: torch.Tensor, aux_loss: torch.Tensor, sequence_partition_group):
+        """Record `aux_loss / coeff` for logging and attach aux_loss (times the local token count with a
+        per-token loss) to `activation`'s backward."""
+        moe_aux_loss_coeff = self.config.moe_aux_loss_coeff
         save_to_aux_losses_tracker("load_balancing_loss", aux_loss / moe_aux_loss_coeff, self.layer_number,
                                    self._num_tracked_layers(), reduce_group=sequence_partition_group)
         if self.calculate_per_token_loss:

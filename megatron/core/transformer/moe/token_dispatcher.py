@@ -3,7 +3,7 @@
 Notation: H hidden size, T = (s/TP)*b local tokens, E experts, L = E/EP local experts, k = top-k.
 Every dispatcher runs the same six steps (Megatron Core's interface): `dispatch_preprocess` (local),
 `token_dispatch` (communication), `dispatch_postprocess` (local; returns the rows of the local experts, the
-row count per local expert on the host, and their probabilities), then `combine_preprocess`,
+row count per local expert, and their probabilities), then `combine_preprocess`,
 `token_combine`, `combine_postprocess` in reverse.
 
 - `MoEAllGatherTokenDispatcher`: all-gather tokens, probabilities and routing map over the expert TP x EP
@@ -16,7 +16,9 @@ Host synchronisation: the all-to-all needs its split sizes on the host. The disp
 it needs (splits, per-chunk sizes, rows per local expert) into one device tensor, starts one asynchronous
 copy to pinned host memory right after computing it, and waits for that copy only where a host value is
 first needed (before the all-to-all; before permuting when a capacity makes the row count data-dependent).
-That is one host wait per MoE layer and forward, as in Megatron.
+That is one host wait per MoE layer and forward, as in Megatron. Without EP and expert TP, dropless, nothing
+needs a host value: the rows per local expert stay on the device (the grouped GEMM takes device offsets)
+and the layer's forward does not wait for the GPU at all.
 """
 from abc import abstractmethod
 from typing import Dict, List, Optional
@@ -100,8 +102,8 @@ class MoETokenDispatcher:
 
     @abstractmethod
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Local work after the dispatch; returns (rows of the local experts, rows per local expert on the host,
-        their probabilities)."""
+        """Local work after the dispatch; returns (rows of the local experts, rows per local expert (on the
+        host, or on the device where no host value was needed), their probabilities)."""
 
     @abstractmethod
     def combine_preprocess(self, hidden_states):
@@ -229,8 +231,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
         """Split sizes and rows per local expert from the routing map [T, E]; starts their host copy.
 
-        Returns the rows per local expert directly when they are known on the host (drop-and-pad), else
-        None (they arrive with the host copy)."""
+        Returns the rows per local expert directly when no host copy is needed (drop-and-pad: known on the
+        host; dropless without EP or expert TP: left on the device), else None (they arrive with the host
+        copy)."""
         num_tokens = routing_map.size(0)
         if self.drop_and_pad:
             self.capacity = get_capacity(num_tokens=num_tokens * self.config.moe_router_topk,
@@ -257,6 +260,12 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             counts["num_out_tokens"] = num_local_tokens_per_expert.sum().view(1)
         if self.ep_size > 1 or self.tp_size > 1:
             counts.update(self._global_counts(num_local_tokens_per_expert))
+        elif not dynamic:
+            # no communication and a known row count: the counts stay on the device (no host wait at all)
+            self.input_splits = self.output_splits = self.output_splits_tp = None
+            self.num_global_tokens_per_local_expert = None
+            self._pending = None
+            return num_local_tokens_per_expert
         self._pending = _HostCopy(counts)
         return None
 

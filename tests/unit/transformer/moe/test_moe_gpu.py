@@ -67,12 +67,25 @@ def test_grouped_and_sequential_moe_layers_agree_in_bf16_on_cuda():
         assert ((got - want).norm() / want.norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("dispatcher,max_syncs", [("alltoall", 0), ("allgather", 1)])
-def test_moe_layer_host_synchronisations(dispatcher, max_syncs):
+@pytest.mark.parametrize("dispatcher,max_syncs,max_waits", [("alltoall", 0, 0), ("allgather", 1, 0)])
+def test_moe_layer_host_synchronisations(dispatcher, max_syncs, max_waits, monkeypatch):
+    """Implicit synchronisations (sync debug mode) and the dispatcher's explicit host-copy waits of one forward
+    and backward without EP: alltoall needs no host value there (device counts into the grouped GEMM)."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    waits = []
+
+    class CountingHostCopy(token_dispatcher._HostCopy):
+        def wait(self):
+            waits.append(1)
+            return super().wait()
+
+    monkeypatch.setattr(token_dispatcher, "_HostCopy", CountingHostCopy)
     layer = _layer(True, moe_token_dispatcher_type=dispatcher).cuda()
     x = torch.randn(64, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x)[0].sum().backward()  # warm-up (probes, allocations)
     torch.cuda.synchronize()
+    waits.clear()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -81,8 +94,19 @@ def test_moe_layer_host_synchronisations(dispatcher, max_syncs):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    print(dispatcher, len(syncs), "implicit host synchronisations:", syncs[:3])
+    print(dispatcher, len(syncs), "implicit host synchronisations:", syncs[:3], len(waits), "host-copy waits")
     assert len(syncs) <= max_syncs, syncs
+    assert len(waits) <= max_waits
+
+
+def test_grouped_mm_with_device_sizes_matches_host_sizes():
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(96, 64, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(3, 64, 32, generator=gen).to("cuda", torch.bfloat16)
+    host = torch.tensor([40, 0, 56])
+    torch.testing.assert_close(gg.gmm(a, b, host.cuda()), gg.gmm(a, b, host), rtol=0, atol=0)
 
 
 
@@ -97,3 +121,22 @@ def test_grouped_mm_probe_from_a_no_grad_first_call():
         gg.gmm(torch.zeros(16, 256, device=device, dtype=torch.bfloat16),
                torch.zeros(4, 256, 512, device=device, dtype=torch.bfloat16), torch.tensor([8, 0, 8, 0]))
     assert gg.torch_grouped_mm_supported(device, torch.bfloat16)
+
+
+def test_compiled_softmax_aux_loss_routing_matches_eager():
+    from megatron.core.transformer.moe import router as router_module
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(4096, 8, generator=gen) * 2).cuda().requires_grad_()
+    weight = torch.randn(4096, 8, generator=gen).cuda()
+    outputs = []
+    for fn in (router_module._softmax_topk_with_switch_loss_fused, router_module._softmax_topk_with_switch_loss):
+        x = logits.detach().clone().requires_grad_()
+        probs, routing_map, aux_loss = fn(x, 2, False, None, 1e-2)
+        ((probs * weight).sum() + aux_loss).backward()
+        outputs.append((probs.detach(), routing_map, aux_loss.detach(), x.grad))
+    (probs_c, map_c, aux_c, grad_c), (probs_e, map_e, aux_e, grad_e) = outputs
+    assert torch.equal(map_c, map_e)
+    torch.testing.assert_close(probs_c, probs_e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux_c, aux_e, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad_c, grad_e, rtol=1e-4, atol=1e-6)

@@ -200,6 +200,35 @@ def test_router_gradients_include_the_aux_and_z_losses_with_the_main_loss_scale(
     moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
+@pytest.mark.parametrize("pre_softmax,scaling", [(False, None), (True, 2.5)])
+def test_fused_softmax_aux_loss_routing_equals_the_unfused_path(pre_softmax, scaling, monkeypatch):
+    """The plain softmax + Switch-loss case goes through one fused function (compiled on CUDA); on CPU it runs
+    the same operations as the general path: identical probabilities, map, recorded loss and gradients."""
+    from megatron.core.transformer.moe import router as router_module
+
+    calls = []
+    fused_fn = router_module._softmax_topk_with_switch_loss_fused
+    monkeypatch.setattr(router_module, "_softmax_topk_with_switch_loss_fused",
+                        lambda *args: calls.append(1) or fused_fn(*args))
+    results = []
+    for fused in (True, False):
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        router = _router(moe_aux_loss_coeff=0.05, moe_router_pre_softmax=pre_softmax,
+                         moe_router_topk_scaling_factor=scaling)
+        if not fused:
+            monkeypatch.setattr(router, "_fused_aux_loss_routing", lambda logits: None)
+        x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(1))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) * 0.5)
+        probs, routing_map = router(x)
+        (probs * torch.arange(T * E, dtype=torch.float32).view(T, E)).sum().backward()
+        recorded = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"][0].clone()
+        results.append((probs.detach(), routing_map, recorded, router.weight.grad.clone()))
+    assert len(calls) == 1
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
 def test_per_token_loss_multiplies_the_aux_loss_by_the_local_token_count():
     grads = []
     for per_token in (False, True):
