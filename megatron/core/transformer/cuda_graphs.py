@@ -40,6 +40,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.fp8.recipe import fp8_scaling_state_kept
 from megatron.core.fusions.fused_grad_accumulation import accumulate_grad_
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,28 @@ def forward_side_effects_undone(layer: torch.nn.Module):
             tensor.data.copy_(copy)
         for name in set(tracker) - existing:
             tracker[name]["values"].zero_()
+
+
+@contextlib.contextmanager
+def aux_loss_gradients_zeroed():
+    """Inside the block the auxiliary losses attached by `MoEAuxLossAutoScaler` (MoE load balancing, z-loss)
+    get a zero gradient, so a backward from a zero output gradient is zero everywhere. Without it the warm-up
+    backward would carry the losses' gradient into the fused linears' `main_grad` (attention's weights,
+    through the MoE layer's input)."""
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    if scale is None:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.zeros(())
+        try:
+            yield
+        finally:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        return
+    saved = scale.detach().clone()
+    scale.data.zero_()
+    try:
+        yield
+    finally:
+        scale.data.copy_(saved)
 
 
 def _adds_to_main_grad(param: torch.nn.Parameter) -> bool:
@@ -257,15 +280,16 @@ class GraphedLayer:
     def _warm_up(self, run) -> None:
         """One forward and backward on the static inputs outside the capture, on the capture stream, so
         that anything done once per input signature (a recompilation, a lazily compiled backward, a
-        communicator) happens before capturing. The backward gets a zero output gradient: the weight
-        gradients it adds into `main_grad` are zeros, and the `grad_added_to_main_grad` flags it sets and the
-        FP8 amax histories it updates are restored."""
+        communicator) happens before capturing. The backward gets a zero output gradient and the auxiliary
+        losses a zero gradient: the weight gradients it adds into `main_grad` are zeros, and the
+        `grad_added_to_main_grad` flags it sets, the FP8 amax histories it updates and what the forward
+        adds to buffers and the aux-loss tracker are restored."""
         def forward_backward():
             output = run()
             torch.autograd.grad(output, self._grad_inputs(), grad_outputs=torch.zeros_like(output), allow_unused=True)
 
         with main_grad_flags_restored(self.params), fp8_scaling_state_kept(self.layer), \
-                forward_side_effects_undone(self.layer):
+                forward_side_effects_undone(self.layer), aux_loss_gradients_zeroed():
             self.graph_pool.run(forward_backward)
 
     def _capture_backward(self, grad_output: torch.Tensor) -> None:

@@ -103,3 +103,30 @@ def test_warm_up_side_effects_on_buffers_and_the_aux_loss_tracker_are_undone():
     assert torch.equal(tracker["load_balancing_loss"]["values"], torch.tensor([1.0, 2.0]))
     assert torch.equal(tracker["z_loss"]["values"], torch.tensor([0.0]))
     tracker.clear()
+
+
+def test_warm_up_backward_gives_the_aux_losses_a_zero_gradient():
+    """The warm-up backward starts from a zero output gradient; an attached auxiliary loss must not make the
+    gradients upstream of the MoE layer (which fused linears add into main_grad) non-zero."""
+    from megatron.core.transformer.cuda_graphs import aux_loss_gradients_zeroed
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+
+    def grad_of_weight():
+        activation = weight * 3.0
+        output = MoEAuxLossAutoScaler.apply(activation, (activation ** 2).sum())
+        return torch.autograd.grad(output, weight, grad_outputs=torch.zeros_like(output))[0]
+
+    before = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        for scale in (None, torch.tensor([0.5])):
+            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+            with aux_loss_gradients_zeroed():
+                assert torch.equal(grad_of_weight(), torch.zeros(2))
+            assert MoEAuxLossAutoScaler.main_loss_backward_scale is scale
+            if scale is not None:
+                assert torch.equal(scale, torch.tensor([0.5]))
+                assert torch.allclose(grad_of_weight(), 0.5 * 2 * 9.0 * weight.detach())
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = before
