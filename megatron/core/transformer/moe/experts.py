@@ -1,10 +1,13 @@
 """The local experts of an MoE layer: `GroupedMLP`, `SequentialMLP` and the `TEGroupedMLP` name.
 
 Every expert class takes (rows of the local experts grouped by expert [N, H], rows per local expert [L] (a
-host tensor, or a device tensor when the dispatcher needed no host value), their probabilities [N]) and returns (output [N, H], None). Probabilities are applied inside the
-expert: `fc2(act(fc1(x)) * p)`, the product computed in p's dtype and cast back (or `x * p` first with
-`--moe-apply-probs-on-input`, top-1 only). Weights are split over the expert-TP group (fc1 column-parallel,
-fc2 row-parallel) without TP communication: the dispatcher's gathers and reduce-scatters replace it.
+host tensor, or a device tensor when the dispatcher needed no host value), their probabilities [N]) and
+returns (output [N, H], None). Probabilities are applied inside the expert: `fc2(act(fc1(x)) * p)`, the
+product computed in p's dtype and cast back (or `x * p` first with `--moe-apply-probs-on-input`, top-1
+only). With gradient-accumulation fusion (the command line's default) and DDP, GroupedMLP's weight
+gradients go straight into `main_grad` on CUDA (`grouped_gemm_util.gmm_fused_wgrad`). Weights are split over
+the expert-TP group (fc1 column-parallel, fc2 row-parallel) without TP communication: the dispatcher's
+gathers and reduce-scatters replace it.
 
 Checkpoint layout (identical for all classes, Megatron's): dist keys `<prefix>experts.linear_fc1.weight` /
 `linear_fc2.weight` with a prepended expert axis of global size E (local expert j of EP rank r at r*L + j),
@@ -178,6 +181,13 @@ class GroupedMLP(MegatronModule):
             return output
         return fc2(self._activation_with_probs(fc1_output, probs))
 
+    def _gmm(self, x, weight, grouped_shape, tokens_per_expert):
+        """x [N, K] by expert through weight viewed as grouped_shape [L, K, M]; with gradient-accumulation
+        fusion the weight gradient goes straight into `main_grad` (`gg.gmm_fused_wgrad`)."""
+        if self.config.gradient_accumulation_fusion and gg.fused_wgrad_supported(x, weight, grouped_shape):
+            return gg.gmm_fused_wgrad(x, weight, grouped_shape, tokens_per_expert)
+        return gg.ops.gmm(x, weight.view(grouped_shape), tokens_per_expert)
+
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         """[N, H] rows grouped by local expert -> ([N, H], None)."""
@@ -186,10 +196,10 @@ class GroupedMLP(MegatronModule):
         hidden = self.config.hidden_size
         if hidden_states.nelement() != 0:
             # [H, L*F1] -> [L, H, F1]; [L*F2, H] -> [L, F2, H]
-            w1 = self.weight1.view(self.num_local_experts, hidden, -1)
-            w2 = self.weight2.view(self.num_local_experts, -1, hidden)
-            output = self._mlp(hidden_states, probs, lambda x: gg.ops.gmm(x, w1, tokens_per_expert),
-                               lambda x: gg.ops.gmm(x, w2, tokens_per_expert))
+            shape1 = (self.num_local_experts, hidden, self.weight1.shape[1] // self.num_local_experts)
+            shape2 = (self.num_local_experts, self.weight2.shape[0] // self.num_local_experts, hidden)
+            output = self._mlp(hidden_states, probs, lambda x: self._gmm(x, self.weight1, shape1, tokens_per_expert),
+                               lambda x: self._gmm(x, self.weight2, shape2, tokens_per_expert))
         else:
             # No rows for any local expert: a plain matmul on the empty input still gives every weight a
             # (zero) gradient, so DDP sees gradients of all parameters.

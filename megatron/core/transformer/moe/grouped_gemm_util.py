@@ -14,7 +14,13 @@ from typing import Dict, Tuple
 
 import torch
 
+from megatron.core.tensor_parallel.wgrad_accumulation import _main_grad_placeholder
+from megatron.core.transformer.moe import _triton_grouped_wgrad
+from megatron.core.utils import module_available
+
 logger = logging.getLogger(__name__)
+
+_HAS_TRITON = module_available("triton")
 
 # (device, dtype) -> whether torch._grouped_mm matched the reference there
 _GROUPED_MM_SUPPORT: Dict[Tuple[torch.device, torch.dtype], bool] = {}
@@ -107,7 +113,51 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes, trans_b: bool = False) ->
     return _loop_gmm(a, b, batch_sizes, trans_b)
 
 
+class _GroupedGemmFusedWgrad(torch.autograd.Function):
+    """`torch._grouped_mm(a, weight.view(grouped_shape), offs)` whose weight gradient goes straight into the
+    parameter's fp32 `main_grad` (one Triton kernel, `_triton_grouped_wgrad`) instead of a bf16 gradient that
+    DDP's hook then adds; autograd gets Megatron's placeholder and `grad_added_to_main_grad` is set, as the
+    tensor-parallel linears do with gradient-accumulation fusion."""
+
+    @staticmethod
+    def forward(ctx, a, weight, grouped_shape, offsets):
+        """a [N, K] x weight viewed as [G, K, M] -> [N, M]."""
+        ctx.save_for_backward(a, offsets)
+        ctx.weight, ctx.grouped_shape = weight, grouped_shape
+        return torch._grouped_mm(a, weight.view(grouped_shape), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        """d a = grad [N, M] x weight^T per group; main_grad[g] += a_g^T grad_g."""
+        a, offsets = ctx.saved_tensors
+        weight = ctx.weight
+        grad_output = grad_output.contiguous()
+        grad_a = None
+        if ctx.needs_input_grad[0]:
+            grad_a = torch._grouped_mm(grad_output, weight.view(ctx.grouped_shape).transpose(-2, -1), offs=offsets)
+        _triton_grouped_wgrad.grouped_wgrad_accumulate_(weight.main_grad.view(ctx.grouped_shape), a, grad_output,
+                                                        offsets)
+        return grad_a, _main_grad_placeholder(weight), None, None
+
+
+def fused_wgrad_supported(a: torch.Tensor, weight: torch.nn.Parameter, grouped_shape) -> bool:
+    """Whether `gmm_fused_wgrad` applies: a bf16/fp16 CUDA input where `torch._grouped_mm` works, Triton, a
+    weight with an fp32 `main_grad` (under Megatron's DDP), autograd recording, outside compilation."""
+    main_grad = getattr(weight, "main_grad", None)
+    return (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _HAS_TRITON
+            and main_grad is not None and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
+            and weight.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and torch_grouped_mm_supported(a.device, a.dtype) and _aligned(a, weight.view(grouped_shape)))
+
+
+def gmm_fused_wgrad(a: torch.Tensor, weight: torch.nn.Parameter, grouped_shape, batch_sizes) -> torch.Tensor:
+    """`gmm(a, weight.view(grouped_shape), batch_sizes)` with the weight gradient accumulated straight into
+    `weight.main_grad` (gradient-accumulation fusion for the grouped experts; see `fused_wgrad_supported`)."""
+    return _GroupedGemmFusedWgrad.apply(a, weight, tuple(grouped_shape), _offsets(batch_sizes, a.device))
+
+
 ops = SimpleNamespace(gmm=gmm)
 """Megatron's `grouped_gemm_util.ops` namespace: `ops.gmm(a, b, batch_sizes, trans_b=False)`."""
 
-__all__ = ["grouped_gemm_is_available", "assert_grouped_gemm_is_available", "torch_grouped_mm_supported", "gmm", "ops"]
+__all__ = ["grouped_gemm_is_available", "assert_grouped_gemm_is_available", "torch_grouped_mm_supported", "gmm",
+           "fused_wgrad_supported", "gmm_fused_wgrad", "ops"]

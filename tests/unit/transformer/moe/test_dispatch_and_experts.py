@@ -285,3 +285,68 @@ def test_moe_layer_runs_eagerly_inside_a_compiled_function():
     expected, _ = layer(x)
     compiled = torch.compile(lambda inputs: layer(inputs)[0] * 2, backend="eager")
     assert torch.allclose(compiled(x), expected * 2)
+
+
+def _grouped_mm_on_cpu() -> bool:
+    try:
+        torch._grouped_mm(torch.zeros(4, 4), torch.zeros(1, 4, 4), offs=torch.tensor([4], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+def _reference_wgrad_accumulate_(main_grad, x, dy, offsets):
+    """main_grad[g] += x_g^T dy_g, the groups read from the cumulative end offsets (the kernel's contract)."""
+    start = 0
+    for group, end in enumerate(offsets.tolist()):
+        main_grad[group] += x[start:end].t() @ dy[start:end]
+        start = end
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton-interpreter"])
+def test_grouped_mlp_fused_weight_gradient_goes_into_main_grad(kernel, monkeypatch):
+    """GroupedMLP with gradient-accumulation fusion under DDP's attributes: the weight gradients land in
+    main_grad (on top of what it held), autograd gets the placeholder with grad_added_to_main_grad set, and
+    output and input gradients equal the unfused path. Run on CPU in fp32 through torch._grouped_mm with the
+    CUDA-only checks bypassed; the Triton kernel itself runs in Triton's interpreter."""
+    from megatron.core.transformer.moe import _triton_grouped_wgrad
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    if not _grouped_mm_on_cpu():
+        pytest.skip("this torch has no CPU torch._grouped_mm")
+    if kernel == "triton-interpreter":
+        pytest.importorskip("triton")
+        from tests.harness import load_interpreted
+
+        interpreted = load_interpreted(_triton_grouped_wgrad.__file__, "triton_grouped_wgrad_interpreted")
+        small = interpreted.WgradLaunch(block_k=16, block_m=16, block_r=16, group_k=2, num_warps=1, num_stages=1)
+        accumulate = lambda *args: interpreted.grouped_wgrad_accumulate_(*args, launch=small)  # noqa: E731
+    else:
+        accumulate = _reference_wgrad_accumulate_
+    torch.manual_seed(0)
+    unfused = _experts(True)
+    fused = _experts(True, gradient_accumulation_fusion=True)
+    fused.load_state_dict(unfused.state_dict())
+    starts = {}
+    for name, param in fused.named_parameters():
+        starts[name] = torch.randn(param.shape)
+        param.main_grad = starts[name].clone()
+        param.grad_added_to_main_grad = False
+    calls = []
+    monkeypatch.setattr(gg, "fused_wgrad_supported", lambda *args: True)
+    monkeypatch.setattr(_triton_grouped_wgrad, "grouped_wgrad_accumulate_",
+                        lambda *args: calls.append(1) or accumulate(*args))
+    tokens_per_expert = torch.tensor([3, 0, 4, 1])
+    x, probs = torch.randn(8, 16), torch.rand(8)
+    outputs = []
+    for experts in (unfused, fused):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        out, _ = experts(xi, tokens_per_expert, pi)
+        out.backward(torch.arange(out.numel(), dtype=torch.float32).view_as(out) / out.numel())
+        outputs.append((out, xi.grad, pi.grad))
+    assert len(calls) == 2  # fc1 and fc2
+    for got, want in zip(outputs[1], outputs[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, param), (_, reference) in zip(fused.named_parameters(), unfused.named_parameters()):
+        assert param.grad_added_to_main_grad, name
+        torch.testing.assert_close(param.main_grad, starts[name] + reference.grad, rtol=1e-5, atol=1e-5)
