@@ -9,7 +9,8 @@ kernel (`_triton_swiglu`) and candidate tile settings of the same kernel. Bias-G
 GPT-1.3B's fc1 output ([2048, 8, 8192] bf16 + bias), compiled, with tanh (the formula before 2026-11-30
 evening) and with the product's sigmoid form. A bf16 copy moving the same bytes as each minimum traffic is
 the memory-speed yardstick. One JSON line per variant: median microseconds, TB/s on the minimum traffic,
-largest difference from the fp32 formula. (Ran as `swiglu_bench.py`, SwiGLU rows only, at 20:18.)
+largest difference from the fp32 formula. (Ran as `swiglu_bench.py`, SwiGLU rows only, at 20:18.) The MoE
+experts' weighted SwiGLU backward ([8192, 2 x 5632]): the compiled pair against the one-pass kernel.
 """
 import json
 import os
@@ -66,6 +67,24 @@ def swiglu_variants():
     report("swiglu back: bf16 copy of the same bytes", copy_of(traffic), traffic, None)
 
 
+def weighted_swiglu_variants():
+    """The MoE experts' weighted SwiGLU backward at the MoE benchmark's shape: compiled pair vs one-pass kernel
+    (the first output, d y, is compared; d w is checked by tests/unit/fusions/test_triton_weighted_swiglu.py)."""
+    from megatron.core.transformer.moe import experts
+
+    rows, ffn = 8192, 5632
+    y = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(rows, 1, device="cuda")
+    reference = experts._weighted_swiglu_backward(g.float(), y.float(), w)[0]
+    traffic = (y.numel() * 2 + g.numel()) * 2 + rows * 8  # read y and g, write dy; w and d w
+    report("weighted swiglu back: compiled (two kernels)", lambda: experts._weighted_swiglu_backward_fused(g, y, w)[0],
+           traffic, reference)
+    for block, warps in ((1024, 4), (2048, 8), (1024, 8)):
+        report(f"weighted swiglu back: one-pass Triton, {block} columns / {warps} warps",
+               lambda: _triton_swiglu.weighted_swiglu_back(g, y, w, block, warps)[0], traffic, reference)
+
+
 def gelu_variants():
     y = torch.randn(2048, 8, 8192, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(8192, device="cuda", dtype=torch.bfloat16)
@@ -85,6 +104,7 @@ def gelu_variants():
 def main():
     torch.manual_seed(0)
     swiglu_variants()
+    weighted_swiglu_variants()
     gelu_variants()
 
 

@@ -34,3 +34,13 @@ def test_qkv_rope_kernels_compile(rot):
         source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
         assert ".entry" in ptx and "ld.global" in ptx and "st.global" in ptx
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_weighted_swiglu_backward_kernel_compiles(dtype):
+    signature = {"g_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "w_ptr": "*fp32", "out_ptr": f"*{dtype}",
+                 "dw_ptr": "*fp32", "ffn": "i32", "BLOCK": "constexpr"}
+    source = ASTSource(fn=_triton_swiglu._weighted_swiglu_back_kernel, signature=signature,
+                       constexprs={"BLOCK": _triton_swiglu._BLOCK})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": _triton_swiglu._WARPS}).asm["ptx"]
+    assert ".entry" in ptx and "ex2.approx" in ptx

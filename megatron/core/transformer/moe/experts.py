@@ -22,7 +22,8 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from megatron.core.fusions._compile import CudaCompiled
+from megatron.core.fusions import _triton_swiglu
+from megatron.core.fusions._compile import CudaCompiled, eager_fusions_requested
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
@@ -61,6 +62,15 @@ _weighted_swiglu_forward_fused = CudaCompiled(_weighted_swiglu_forward)
 _weighted_swiglu_backward_fused = CudaCompiled(_weighted_swiglu_backward)
 
 
+def _weighted_swiglu_backward_on_device(grad_output: torch.Tensor, y: torch.Tensor, weights: torch.Tensor):
+    """The one-pass Triton kernel (`_triton_swiglu.weighted_swiglu_back`) where it applies (CUDA, contiguous,
+    not under `--fusion-kernels eager`), else the compiled (CUDA) or eager (CPU) backward."""
+    if (_triton_swiglu.weighted_usable(grad_output, y, weights) and not eager_fusions_requested()
+            and not torch.compiler.is_compiling()):
+        return _triton_swiglu.weighted_swiglu_back(grad_output, y, weights)
+    return _weighted_swiglu_backward_fused(grad_output, y, weights)
+
+
 class WeightedSwiGLU(torch.autograd.Function):
     """`(silu(gate) * up * w).to(y.dtype)` of y = [gate | up]; saves only y and w (the activation is
     recomputed in backward). w [N, 1] may be fp32 with a bf16 y: the product is then taken in fp32."""
@@ -75,7 +85,7 @@ class WeightedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         """d gate, d up from grad * w; d w = sum(grad * silu(gate) * up)."""
         y, weights = ctx.saved_tensors
-        return _weighted_swiglu_backward_fused(grad_output.contiguous(), y, weights)
+        return _weighted_swiglu_backward_on_device(grad_output.contiguous(), y, weights)
 
 
 def weighted_swiglu(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
