@@ -73,7 +73,7 @@ def _command(flags, args, name):
                   os.path.join(args.out_dir, f"profile_{name}.txt"), "--"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-port",
                 str(29611 + len(name))]
-    return launcher + script + f"{flags} {COMMON}{extra}".split()
+    return launcher + script + f"{flags} {COMMON}{extra} {args.extra_flags}".split()
 
 
 def _run(name, flags, args):
@@ -102,6 +102,8 @@ def main(argv=None):
                                                                                   "results")))
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--only", choices=["deepseek", "llama1b"], default=None)
+    parser.add_argument("--extra-flags", default="",
+                        help="more pretrain_gpt.py flags for every run, e.g. --extra-flags='--enable-cuda-graph'")
     args = parser.parse_args(argv)
     args.global_batch_size = {"deepseek": 8, "llama1b": 8}
     os.makedirs(args.out_dir, exist_ok=True)

@@ -20,3 +20,6 @@ timeout 200 $B --runs moe dense --out "$OUT/eager.json" 2>&1 | grep "^pretrain"
 timeout 120 python benchmarks/gpu/grouped_wgrad_bench.py --sweep > "$OUT/wgrad.txt" 2>&1
 cut -c1-200 "$OUT/wgrad.txt" | grep variant | head -60
 timeout 120 python benchmarks/gpu/activation_bench.py 2>&1 | grep weighted
+# the DeepSeek-V3 proxy (MLA, group-limited sigmoid routing with expert bias, shared expert, MTP) graphed
+timeout 300 python benchmarks/gpu/deepseek_bench.py --only deepseek --iters 12 --extra-flags=--enable-cuda-graph \
+    --out-dir "$OUT/deepseek_graphed" 2>&1 | tail -4 | cut -c1-300
