@@ -34,11 +34,11 @@ def _yarn_find_correction_range(low_rot: float, high_rot: float, dim: int, rotar
     return max(low, 0), min(high, dim - 1)
 
 
-def _yarn_linear_ramp_mask(min: float, max: float, dim: int) -> torch.Tensor:
-    """fp32 [dim]: 0 up to `min`, rising linearly to 1 at `max`, 1 after."""
+def _yarn_linear_ramp_mask(min: float, max: float, dim: int, device=None) -> torch.Tensor:
+    """fp32 [dim] on `device`: 0 up to `min`, rising linearly to 1 at `max`, 1 after."""
     if min == max:
         max += 0.001  # a zero-width ramp would divide by zero
-    ramp = (torch.arange(dim, dtype=torch.float32) - min) / (max - min)
+    ramp = (torch.arange(dim, dtype=torch.float32, device=device) - min) / (max - min)
     return torch.clamp(ramp, 0, 1)
 
 
@@ -109,7 +109,9 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         """The YaRN inverse frequencies [d/2]: interpolated above the ramp, original below it."""
         low, high = _yarn_find_correction_range(self.beta_fast, self.beta_slow, self.dim, self.rotary_base,
                                                 self.original_max_position_embeddings)
-        extrapolate = 1.0 - _yarn_linear_ramp_mask(low, high, self.dim // 2).to(self.inv_freq_extra.device)
+        # made on the tables' device: a host tensor copied over would make every forward wait for the GPU
+        # (a pageable copy) and could not be captured in a CUDA graph
+        extrapolate = 1.0 - _yarn_linear_ramp_mask(low, high, self.dim // 2, device=self.inv_freq_extra.device)
         return self.inv_freq_inter * (1 - extrapolate) + self.inv_freq_extra * extrapolate
 
     def magnitude_scale(self) -> float:
