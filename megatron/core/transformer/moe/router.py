@@ -43,11 +43,23 @@ def _softmax_topk_with_switch_loss(logits: torch.Tensor, topk: int, use_pre_soft
     `switch_load_balancing_loss_func`; returns (probs [T, E], routing_map [T, E] bool, aux_loss [])."""
     probs, routing_map, _ = topk_softmax_with_capacity(logits, topk, use_pre_softmax=use_pre_softmax,
                                                        scaling_factor=scaling_factor)
-    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    _, top_indices = torch.topk(scores, k=topk, dim=1)
-    loss_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+    scores, loss_map = _scores_for_aux_loss(logits, topk, "softmax")
     aux_loss = switch_load_balancing_loss_func(scores, loss_map.sum(dim=0), topk, moe_aux_loss_coeff)
     return probs, routing_map, aux_loss
+
+
+def _scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str):
+    """(scores [T, E], top-k map [T, E]) the balancing losses use: softmax, or sigmoid normalised per token;
+    plain top-k (no groups, bias or capacity)."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"moe_router_score_function ({score_function!r}) must be 'softmax' or 'sigmoid'.")
+    _, top_indices = torch.topk(scores, k=topk, dim=1)
+    return scores, torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
 
 
 # one compiled region each way on CUDA (the MoE layer itself runs eagerly: ~25 small kernels become a few)
@@ -156,15 +168,7 @@ class TopKRouter(Router):
     def compute_routing_scores_for_aux_loss(self, logits: torch.Tensor):
         """(scores [T, E], top-k map [T, E]) the balancing losses use: softmax, or sigmoid normalised per token;
         plain top-k (no groups, bias or capacity)."""
-        if self.score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        elif self.score_function == "sigmoid":
-            scores = torch.sigmoid(logits)
-            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        else:
-            raise ValueError(f"moe_router_score_function ({self.score_function!r}) must be 'softmax' or 'sigmoid'.")
-        _, top_indices = torch.topk(scores, k=self.topk, dim=1)
-        return scores, torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+        return _scores_for_aux_loss(logits, self.topk, self.score_function)
 
     def _topk(self, logits: torch.Tensor):
         config = self.config
